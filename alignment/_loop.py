@@ -1,0 +1,82 @@
+"""Small pieces every RL driver loop shares: sampling across rollout replicas, reward rows, a
+section timer and the run summary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import ray
+import torch
+
+from raypai.alignment._tensors import pad
+
+
+@dataclass
+class Samples:
+    batch: dict  # right-padded input_ids / attention_mask (B, T), response_mask (B, T−1)
+    prompts: list[str]  # (B,) the prompt of every sample, n consecutive samples per prompt
+    completions: list[str]  # (B,) decoded completions (without the end token)
+    rows: dict  # per-sample task fields for reward functions, e.g. {"answer": [...]}
+
+
+def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,
+           top_p: float = 1.0) -> Samples:
+    """n samples per problem; the problems are split across the replicas, groups stay together."""
+    chunks = [problems[i::len(rollouts)] for i in range(len(rollouts))]
+    outs = ray.get([r.generate.remote([p.prompt for p in c], n=n, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p) for r, c in zip(rollouts, chunks) if c])
+    order = [p for c in chunks for p in c]
+    batch = pad([s for o in outs for s in o["seqs"]], [m for o in outs for m in o["masks"]], pad_id)
+    fields = [{k: v for k, v in asdict(p).items() if k != "prompt"} for p in order]
+    rows = {k: [f[k] for f in fields for _ in range(n)] for k in (fields[0] if fields else {})}
+    return Samples(batch, [p.prompt for p in order for _ in range(n)], [c for o in outs for c in o["completions"]], rows)
+
+
+class Sections:
+    """`with sections("rollout"): ...` accumulates wall seconds per named section of one step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    def __call__(self, name: str):
+        return _Section(self, name)
+
+    def total(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+class _Section:
+    def __init__(self, owner: Sections, name: str):
+        self.owner, self.name = owner, name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.owner.seconds[self.name] = self.owner.seconds.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
+def response_length(batch: dict) -> float:
+    return batch["response_mask"].sum(1).float().mean().item()
+
+
+def throughput(history: list[dict]) -> float:
+    """Samples per second over the whole run (not a mean of per-step rates)."""
+    seconds = sum(h["step_seconds"] for h in history)
+    return sum(h["samples"] for h in history) / seconds if seconds else 0.0
+
+
+def mean_of(history: list[dict], keys) -> dict:
+    """{"mean_<k>": average over the steps that logged k}."""
+    out = {}
+    for k in keys:
+        vals = [h[k] for h in history if k in h]
+        if vals:
+            out[f"mean_{k}"] = sum(vals) / len(vals)
+    return out
+
+
+def to_tensor(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)

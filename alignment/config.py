@@ -1,0 +1,199 @@
+"""Typed alignment configs, one per algorithm, validated before any actor starts; every problem is
+reported at once in a single `ConfigError`. Defaults are sized for the tiny arithmetic demo on a
+CPU; the comments say where a default comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from raypai.alignment.losses import AGGREGATIONS, DPO_LOSSES
+from raypai.errors import ConfigError
+
+
+def _positive(cfg, names, problems):
+    for n in names:
+        if getattr(cfg, n) <= 0:
+            problems.append(f"{type(cfg).__name__}.{n} must be > 0 (got {getattr(cfg, n)})")
+    zero = getattr(cfg, "zero_stage", 0)
+    if zero not in (0, 1, 2):
+        problems.append(f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
+                        "model, ZeRO-3 parameter sharding needs several trainer ranks")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning: mean NLL of the response tokens only (prompt tokens are masked)."""
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 1e-3
+    zero_stage: int = 0
+    seed: int = 0
+    log_every: int = 20
+
+    def validate(self):
+        p = []
+        _positive(self, ("steps", "batch_size", "lr"), p)
+        if p:
+            raise ConfigError(p, what="SFT config")
+        return self
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """Bradley–Terry reward model on the SFT model with a scalar head."""
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 2e-3
+    margin: float = 0.0  # m in −log σ(r_w − r_l − m) (Llama 2 §3.2.2); 0 = plain Bradley–Terry
+    seed: int = 0
+
+    def validate(self):
+        p = []
+        _positive(self, ("steps", "batch_size", "lr"), p)
+        if p:
+            raise ConfigError(p, what="reward model config")
+        return self
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples)."""
+    steps: int = 100
+    batch_size: int = 8
+    lr: float = 5e-4
+    beta: float = 0.1  # Rafailov et al. 2023 and TRL's default
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    label_smoothing: float = 0.0  # ε of cDPO (sigmoid only): assumed probability that a label is flipped
+    online: bool = False  # online DPO: sample `num_samples` per prompt, rank with Reward, best vs worst
+    num_samples: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 6
+    zero_stage: int = 0
+    seed: int = 0
+
+    def validate(self):
+        p = []
+        _positive(self, ("steps", "batch_size", "lr", "beta"), p)
+        if self.loss_type not in DPO_LOSSES:
+            p.append(f"DPOConfig.loss_type {self.loss_type!r} is unknown; choose one of {', '.join(DPO_LOSSES)}")
+        if not 0 <= self.label_smoothing < 0.5:
+            p.append(f"DPOConfig.label_smoothing must be in [0, 0.5) (got {self.label_smoothing}): "
+                     "at 0.5 chosen and rejected are indistinguishable")
+        if self.online and self.num_samples < 2:
+            p.append(f"DPOConfig.num_samples must be ≥ 2 for online DPO (got {self.num_samples}): "
+                     "a pair needs two completions")
+        if p:
+            raise ConfigError(p, what="DPO config")
+        return self
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO (Shao et al. 2024); defaults follow TRL's GRPOConfig where one exists."""
+    steps: int = 30
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 5e-4
+    clip_eps: float = 0.2  # ε of the clipped ratio
+    clip_eps_high: float | None = None  # DAPO's clip-higher upper bound (None = ε); e.g. 0.28
+    beta: float = 0.0  # k3 KL coefficient; TRL's current default is 0.0, DeepSeekMath used 0.04
+    aggregation: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (token-mean, TRL's current default)
+    inner_iterations: int = 1  # μ: updates per batch of rollouts, with the old log-probs kept fixed
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    zero_stage: int = 0
+    seed: int = 0
+    rollout_replicas: int = 1
+    reward_model_weight: float = 0.0  # weight of a trained reward model next to the rule reward
+
+    def validate(self):
+        p = []
+        _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
+                         "checkpoint_every", "rollout_replicas"), p)
+        if self.group_size <= 1:
+            p.append(f"GRPOConfig.group_size must be > 1 (got {self.group_size}): with one sample per prompt "
+                     "every advantage is 0")
+        if self.aggregation not in AGGREGATIONS:
+            p.append(f"GRPOConfig.aggregation {self.aggregation!r} is unknown; choose one of {', '.join(AGGREGATIONS)}")
+        if not 0 < self.clip_eps < 1:
+            p.append(f"GRPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            p.append(f"GRPOConfig.clip_eps_high ({self.clip_eps_high}) must be ≥ clip_eps ({self.clip_eps}): "
+                     "it only widens the upper side of the trust region")
+        if self.beta < 0:
+            p.append(f"GRPOConfig.beta must be ≥ 0 (got {self.beta})")
+        if self.prompts_per_step > 0 and self.rollout_replicas > 0 and self.prompts_per_step % self.rollout_replicas:
+            p.append(f"GRPOConfig.prompts_per_step ({self.prompts_per_step}) must be divisible by rollout_replicas "
+                     f"({self.rollout_replicas}) so each replica gets whole groups")
+        if p:
+            raise ConfigError(p, what="GRPO config")
+        return self
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """RLHF PPO (Ouyang et al. 2022): defaults follow InstructGPT-style setups scaled to a tiny model."""
+    steps: int = 30
+    prompts_per_step: int = 16
+    lr: float = 5e-4
+    critic_lr: float = 1e-3
+    clip_eps: float = 0.2  # policy ratio clip (Schulman et al. 2017)
+    value_clip: float = 0.2  # value clip around the rollout-time values (PPO2)
+    kl_coef: float = 0.05  # β of the per-token KL penalty in the reward
+    gamma: float = 1.0  # no discount inside one completion, as in RLHF practice
+    lam: float = 0.95  # GAE λ
+    ppo_epochs: int = 2  # μ: updates per batch of rollouts
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    zero_stage: int = 0
+    seed: int = 0
+    rollout_replicas: int = 1
+    reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
+
+    def validate(self):
+        p = []
+        _positive(self, ("steps", "prompts_per_step", "lr", "critic_lr", "ppo_epochs", "max_new_tokens", "eval_every",
+                         "checkpoint_every", "rollout_replicas", "value_clip"), p)
+        if not 0 < self.clip_eps < 1:
+            p.append(f"PPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            p.append(f"PPOConfig.gamma and lam must be in [0, 1] (got {self.gamma}, {self.lam}): they are discount "
+                     "factors of GAE")
+        if self.kl_coef < 0:
+            p.append(f"PPOConfig.kl_coef must be ≥ 0 (got {self.kl_coef})")
+        if p:
+            raise ConfigError(p, what="PPO config")
+        return self
+
+
+CONFIGS = {"sft": SFTConfig, "reward_model": RewardModelConfig, "dpo": DPOConfig, "online_dpo": DPOConfig,
+           "grpo": GRPOConfig, "ppo": PPOConfig}
+
+
+def from_dict(algo: str, values: dict):
+    """The validated config of `algo` from a plain dict (a YAML/JSON file's content). Unknown
+    options and invalid values are reported together."""
+    if algo not in CONFIGS:
+        raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(CONFIGS)}"], what="alignment config")
+    cls = CONFIGS[algo]
+    names = {f.name for f in fields(cls)}
+    problems = [f"{cls.__name__} has no option {k!r}; valid: {', '.join(sorted(names))}"
+                for k in sorted(set(values) - names)]
+    known = {k: v for k, v in values.items() if k in names}
+    if algo == "online_dpo":
+        known["online"] = True
+    try:
+        cfg = cls(**known).validate()
+    except ConfigError as err:
+        problems += err.problems
+    except TypeError as err:  # e.g. a list where a number belongs
+        problems.append(f"{cls.__name__}: {err}")
+    if problems:
+        raise ConfigError(problems, what=f"{algo} config")
+    return cfg

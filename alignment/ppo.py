@@ -1,0 +1,104 @@
+"""PPO for RLHF with policy, critic, rollout, reference and reward as separate Ray actors.
+
+    from raypai.alignment.ppo import run_ppo
+    from raypai.alignment.tasks import arithmetic as ar
+    train, held_out = ar.split()
+    run_ppo("sft_model/", "ppo_model/", train, held_out, PPOConfig(steps=30), reward_model_dir="rm/")
+
+Per step: rollout → reference log-probs, critic values, rewards → per-token rewards (score at the
+last token − β·KL) → GAE → μ epochs of clipped policy and value updates → sync → eval → checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+
+import ray
+
+from raypai.alignment._loop import Sections, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment.checkpoint import load_run, save_run
+from raypai.alignment.config import PPOConfig
+from raypai.alignment.evaluate import accuracy_with
+from raypai.alignment.losses import gae, kl_penalized_rewards, masked_mean, masked_whiten
+from raypai.alignment.placement import Placement, RoleSpec
+from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
+from raypai.alignment.sync import sync_weights
+from raypai.alignment.tasks.arithmetic import Problem, exact_match_reward
+
+TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
+
+
+def run_ppo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[Problem], cfg: PPOConfig, *,
+            run_name: str = "ppo", reward_fns=None, reward_model_dir: str | None = None,
+            checkpoint_dir: str | None = None, logger=None, lineage: dict | None = None) -> dict:
+    """Returns the summary (held-out greedy accuracy before/after, mean losses and time split);
+    the aligned policy is written to `out_dir`. The critic starts from the reward model when given."""
+    from transformers import AutoTokenizer
+
+    cfg = cfg.validate()
+    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    use_rm = bool(reward_model_dir and cfg.reward_model_weight)
+    place = Placement(run_name, {"policy": RoleSpec(cpus=1), "critic": RoleSpec(cpus=0.5),
+                                 "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
+                                 "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
+    try:
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
+        [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed)
+        rollouts = place.place("rollout", Rollout, model_dir, cfg.seed)
+        [reference] = place.place("reference", Reference, model_dir)
+        [reward] = place.place("reward", Reward, reward_fns or [(exact_match_reward, 1.0)],
+                               reward_model_dir if use_rm else None, cfg.reward_model_weight)
+        rng = random.Random(cfg.seed)
+        start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic) if checkpoint_dir else 0
+        if start:
+            sync_weights(policy, rollouts)
+            print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
+        acc_before = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+        history = []
+        for step in range(start + 1, cfg.steps + 1):
+            t = Sections()
+            with t("time_rollout"):
+                s = sample(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), 1, pad_id=pad_id,
+                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+            with t("time_score"):  # four roles work on the same batch in parallel
+                old_lp, ref_lp, values, scores = ray.get([
+                    rollouts[0].logprobs.remote(s.batch), reference.logprobs.remote(s.batch),
+                    critic.values.remote(s.batch), reward.score.remote(s.prompts, s.completions, s.rows)])
+            mask = s.batch["response_mask"]
+            score = to_tensor(scores["total"])
+            token_rewards = kl_penalized_rewards(score, old_lp, ref_lp, mask, cfg.kl_coef)  # (B, T)
+            adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+            adv = masked_whiten(adv, mask)
+            with t("time_train"):
+                for _ in range(cfg.ppo_epochs):
+                    pm, vm = ray.get([policy.ppo_step.remote(s.batch, old_lp, adv, cfg.clip_eps),
+                                      critic.train_step.remote(s.batch, values, returns, cfg.value_clip)])
+            with t("time_sync"):
+                sync = sync_weights(policy, rollouts)
+            metrics = {"reward_mean": score.mean().item(), "reward_std": score.std().item(),
+                       "kl": masked_mean(old_lp - ref_lp, mask).item(), **pm, **vm,
+                       "response_length": response_length(s.batch), **sync, **t.seconds,
+                       "samples": len(s.completions),
+                       "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
+            if step % cfg.eval_every == 0:
+                metrics["eval_accuracy"] = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+                print(f"[raypai.ppo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
+                      f"held-out accuracy {metrics['eval_accuracy']:.3f}", flush=True)
+            if checkpoint_dir and step % cfg.checkpoint_every == 0:
+                metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
+                                                         rollouts=rollouts, critic=critic)
+            if logger is not None:
+                logger.log_metrics(metrics, step=step)
+            history.append(metrics)
+        summary = {"eval_accuracy_before": acc_before,
+                   "eval_accuracy_after": accuracy_with(rollouts[0], held_out, cfg.max_new_tokens),
+                   "steps_run": len(history), "samples_per_s": throughput(history),
+                   **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES))}
+        ray.get(policy.export.remote(out_dir, {"algorithm": "ppo", "config": asdict(cfg), "metrics": summary,
+                                               "lineage": lineage or {}}))
+    finally:
+        place.shutdown()
+    if logger is not None:
+        logger.log_metrics(summary)
+    return summary

@@ -1,0 +1,30 @@
+"""A single-process DeepSpeed engine inside an actor (CPU: gloo, fp32, torch optimizer)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                use_gpu: bool = False):
+    import deepspeed
+    import torch
+
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9, "bf16": {"enabled": use_gpu}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
+    return engine

@@ -1,0 +1,43 @@
+"""Critic: the PPO value function V(s_t) — a transformer with a scalar head per position, trained
+by its own DeepSpeed engine. Initialised from the reward model when one is given (its `score`
+head carries over), else from the policy's starting weights with a fresh head."""
+
+from __future__ import annotations
+
+import torch
+
+from raypai.alignment.losses import clipped_value_loss
+from raypai.alignment.roles._engine import make_engine
+
+
+class Critic:
+    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1):
+        from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1)
+        model.config.pad_token_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage)
+
+    def _values(self, batch: dict) -> torch.Tensor:
+        # the value of the state *before* token t+1, aligned with the label positions: (B, T−1)
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+
+    def values(self, batch: dict) -> torch.Tensor:
+        self.engine.eval()
+        with torch.no_grad():
+            return self._values(batch)
+
+    def train_step(self, batch: dict, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> dict:
+        self.engine.train()
+        loss = clipped_value_loss(self._values(batch), old_values, returns, batch["response_mask"], clip)
+        self.engine.backward(loss)
+        self.engine.step()
+        return {"value_loss": loss.item()}
+
+    def save_checkpoint(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder, tag="state")
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.engine.load_checkpoint(folder)

@@ -1,0 +1,100 @@
+"""PolicyTrainer: the trainable policy (a DeepSpeed engine) as a Ray actor. Losses come from
+`raypai.alignment.losses`; this class only moves tensors in and out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from raypai.alignment._tensors import sequence_logprob, token_logprobs
+from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
+from raypai.alignment.roles._engine import make_engine
+
+
+class PolicyTrainer:
+    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.model_dir = model_dir
+        self.engine = make_engine(AutoModelForCausalLM.from_pretrained(model_dir), lr=lr, zero_stage=zero_stage)
+
+    def _lp(self, batch):
+        return token_logprobs(self.engine, batch["input_ids"], batch["attention_mask"])
+
+    def _update(self, loss) -> float:
+        self.engine.backward(loss)
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        return float(gn) if gn is not None else 0.0
+
+    def sft_step(self, batch: dict) -> dict:
+        """Mean negative log-likelihood of the response tokens only."""
+        self.engine.train()
+        lp = self._lp(batch)
+        m = batch["response_mask"]
+        loss = -(lp * m).sum() / m.sum()
+        return {"loss": loss.item(), "grad_norm": self._update(loss)}
+
+    def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                 beta: float, loss_type: str, label_smoothing: float) -> dict:
+        self.engine.train()
+        pol = ChosenRejected(sequence_logprob(self._lp(chosen), chosen["response_mask"]),
+                             sequence_logprob(self._lp(rejected), rejected["response_mask"]))
+        out = dpo_loss(pol, ChosenRejected(ref_chosen, ref_rejected), beta=beta, loss_type=loss_type,
+                       label_smoothing=label_smoothing)
+        return {"loss": out.loss.item(), "accuracy": out.accuracy, "margin": out.margin,
+                "grad_norm": self._update(out.loss)}
+
+    def grpo_step(self, batch: dict, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, advantages: torch.Tensor,
+                  clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
+                  max_len: int | None = None) -> dict:
+        self.engine.train()
+        lp = self._lp(batch)
+        old_lp = lp.detach() if old_lp is None else old_lp  # μ = 1: ratio 1, the gradient is the policy gradient
+        loss, stats = grpo_loss(lp, old_lp, ref_lp, advantages, batch["response_mask"], clip_eps=clip_eps,
+                                clip_eps_high=clip_eps_high, beta=beta, aggregation=aggregation, max_len=max_len)
+        # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
+        entropy = -masked_mean(lp.detach(), batch["response_mask"]).item()
+        return {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, **stats}
+
+    def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
+        """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
+        self.engine.train()
+        lp = self._lp(batch)
+        per_token, clipped = clipped_surrogate(lp, old_lp, advantages, clip_eps=clip_eps)
+        m = batch["response_mask"]
+        loss = masked_mean(per_token, m)
+        return {"policy_loss": loss.item(), "clip_fraction": masked_mean(clipped.float(), m).item(),
+                "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        self.engine.eval()
+        with torch.no_grad():
+            return self._lp(batch)
+
+    def state_dict(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+
+    def export(self, out_dir: str, extra: dict | None = None) -> str:
+        """The current policy as an HF folder (weights + the source folder's tokenizer files)."""
+        import shutil
+
+        out = Path(out_dir)
+        self.engine.module.save_pretrained(out, safe_serialization=True)
+        for f in Path(self.model_dir).iterdir():
+            if f.is_file() and ("token" in f.name or f.name in ("chat_template.jinja", "generation_config.json")):
+                shutil.copyfile(f, out / f.name)
+        if extra is not None:
+            (out / "raypai.json").write_text(json.dumps(extra, indent=1, default=str))
+        return str(out)
+
+    def save_checkpoint(self, folder: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(folder, tag="state", client_state=client_state)
+
+    def load_checkpoint(self, folder: str) -> dict:
+        _, client_state = self.engine.load_checkpoint(folder)  # the "latest" pointer
+        return client_state or {}

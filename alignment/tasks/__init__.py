@@ -1,0 +1,1 @@
+"""Verifiable demo tasks shipped with raypai."""

@@ -1,0 +1,276 @@
+"""Data-cleaning throughput: raypai (Ray Data) vs datatrove, on the same input, in the same run.
+
+    .venv/bin/python benchmarks/data_clean.py                         # milton paragraphs + 200k synthetic docs
+    .venv/bin/python benchmarks/data_clean.py --synthetic-docs 20000 --cpus 2 --skip-milton
+
+Needs the `bench` extra (datatrove + spacy/nltk/orjson), installed without moving torch:
+`.venv/bin/pip install -e ".[bench]" -c .ci/constraints.txt`. For each corpus and each of
+"filters" and "filters+minhash", one child process runs each system; the parent samples the
+child's process tree (Ray's GCS, raylet and workers; datatrove's worker pool) for peak memory
+(summed RSS and PSS) and CPU seconds, and prints one JSON line per result, with the 1-minute load
+average before and after (the machine may be shared) and each system's own per-op/per-step time.
+
+Inputs are identical JSONL files for both systems: `/work/shared/corpora/milton` split into
+blank-line paragraphs, and the valid rows of a `raypai.data.synth` corpus. Equivalent work:
+  raypai-equivalent  pii_redact, gopher_repetition, gopher_quality, fineweb_quality [+ minhash_dedup]
+  raypai    unicode_nfc, boilerplate_strip, whitespace/punctuation normalize, pii_redact, word_count,
+            mean_word_length, alnum/special ratios, char/word repetition, gopher_repetition,
+            flagged_words, language (the default recipe) [+ exact_dedup, minhash_dedup 14×8, 5-grams]
+  datatrove PIIFormatter, GopherRepetitionFilter, GopherQualityFilter, FineWebQualityFilter
+            [+ MinhashDedupSignature/Buckets/Cluster/Filter, 14 buckets × 8 hashes, 5-grams, sha1]
+datatrove has no download-free language id or bad-words list, so the default recipe does more work
+than datatrove's pipeline; `raypai-equivalent` runs the same four rules (same definitions and
+defaults; words are whitespace-split where datatrove uses spaCy's tokenizer; raypai's PII op also
+redacts phones and IPv6).
+`seconds` (and docs/s, MB/s) excludes Ray's start-up (a cluster is normally up already; reported as
+`startup_s`) and includes raypai's ingest; `cpu_s` counts everything, start-up included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+MILTON = Path("/work/shared/corpora/milton")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def prepare_milton(dst: Path) -> Path:
+    """One JSONL file per book, one row per blank-line paragraph (raypai's ingest split)."""
+    from raypai.data.ingest import IngestConfig, ingest
+
+    import pyarrow.parquet as pq
+
+    if (dst / "jsonl").exists():
+        return dst / "jsonl"
+    m = ingest(MILTON, dst / "ing", IngestConfig(text_mode="paragraphs"))
+    return _export(dst / "ing", m, dst / "jsonl", pq)
+
+
+def prepare_synthetic(dst: Path, docs: int) -> Path:
+    from raypai.data import ingest, synth
+
+    import pyarrow.parquet as pq
+
+    if (dst / "jsonl").exists():
+        return dst / "jsonl"
+    synth(dst / "raw", docs=docs, files=16, seed=0)
+    m = ingest(dst / "raw", dst / "ing")
+    return _export(dst / "ing", m, dst / "jsonl", pq)
+
+
+def _export(ing: Path, manifest: dict, out: Path, pq) -> Path:
+    out.mkdir(parents=True)
+    for i, part in enumerate(manifest["parts"]):
+        rows = pq.read_table(ing / part["file"], columns=["doc_id", "text"]).to_pylist()
+        with open(out / f"in-{i:03d}.jsonl", "w") as fh:
+            for r in rows:
+                fh.write(json.dumps({"id": r["doc_id"], "text": r["text"]}) + "\n")
+    return out
+
+
+# ----------------------------------------------------------------------------- systems (child side)
+
+# raypai's ops for the same rules datatrove's pipeline applies (its defaults differ in places).
+EQUIVALENT_RECIPE = ["pii_redact", "gopher_repetition", "gopher_quality", "fineweb_quality"]
+
+
+def run_raypai(inp: Path, work: Path, minhash: bool, cpus: int, recipe: list | None = None) -> dict:
+    import ray
+
+    from raypai.data import DEFAULT_RECIPE, clean, ingest
+
+    if recipe is None:
+        recipe = [op for op in DEFAULT_RECIPE if minhash or op not in ("exact_dedup", "minhash_dedup")]
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    t1 = time.perf_counter()
+    ingest(inp, work / "ing")
+    t_ingest = time.perf_counter() - t1
+    m = clean(work / "ing", work / "out", recipe, work_dir=work / "w", progress=lambda *_: None)
+    t2 = time.perf_counter()
+    ray.shutdown()
+    # op_seconds: worker time per op summed over batches (manifest `op_stats`), dedup merges included
+    return {"seconds": t2 - t1, "startup_s": t1 - t0, "kept": m["rows"], "ingest_s": t_ingest,
+            "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]}}
+
+
+def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
+                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.formatters import PIIFormatter
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.utils.hashing import HashConfig
+
+    tasks = len(list(inp.glob("*.jsonl")))
+    logs = str(work / "logs")
+    filtered = work / "filtered"
+
+    def ex(pipeline, name, n, **kw):
+        return LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=min(cpus, n), logging_dir=f"{logs}/{name}",
+                                     skip_completed=False, **kw)
+
+    def step_seconds(name: str) -> dict:
+        """datatrove's own per-step time (summed over tasks) from LOGS/NAME/stats.json."""
+        stats = json.loads((work / "logs" / name / "stats.json").read_text())
+        out = {}
+        for s in stats:  # a step that never ran has a bare 0 for time_stats
+            t = s.get("time_stats")
+            key = f"{name}:{re.sub(r' +', ' ', re.sub(r'[^A-Za-z0-9 ]', '', s['name'])).strip()}"
+            out[key] = round(float(t["total"] if isinstance(t, dict) else t or 0), 4)
+        return out
+
+    t0 = time.perf_counter()
+    ex([JsonlReader(str(inp)), PIIFormatter(), GopherRepetitionFilter(), GopherQualityFilter(),
+        FineWebQualityFilter(), JsonlWriter(str(filtered))], "filter", tasks).run()
+    if minhash:
+        # datatrove 0.10's default xxhash path passes str, which xxhash ≥ 4 refuses; its sha1 option works.
+        cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, hash_config=HashConfig(hash_fc="sha1"))
+        ex([JsonlReader(str(filtered)), MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)],
+           "sig", tasks).run()
+        ex([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
+           "buckets", cfg.num_buckets).run()
+        ex([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
+           "cluster", 1).run()
+        ex([JsonlReader(str(filtered)), MinhashDedupFilter(input_folder=str(work / "remove")),
+            JsonlWriter(str(work / "final"))], "final", tasks).run()
+    steps = {}
+    for name in ("filter", "sig", "buckets", "cluster", "final") if minhash else ("filter",):
+        steps.update(step_seconds(name))
+    out = work / ("final" if minhash else "filtered")
+    kept = 0
+    for f in out.glob("*.jsonl*"):
+        import gzip
+
+        with gzip.open(f, "rt") if f.suffix == ".gz" else open(f) as fh:
+            kept += sum(1 for _ in fh)
+    return {"seconds": time.perf_counter() - t0, "startup_s": 0.0, "kept": kept, "op_seconds": steps}
+
+
+# ----------------------------------------------------------------------------- parent side
+
+class TreeSampler:
+    """Samples a process and all its descendants (Ray's GCS, raylet and workers; datatrove's pool):
+    peak summed RSS and PSS (PSS splits shared pages, e.g. Ray's object store, between the
+    processes that map them, so its sum does not double-count), and CPU seconds (the last
+    user+system time seen for every process; a process's final fraction of a second can be missed)."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.peak_rss = self.peak_pss = 0
+        self.cpu: dict[int, float] = {}
+
+    def sample(self, with_pss: bool) -> None:
+        rss = pss = 0
+        for p in [self.root, *self.root.children(recursive=True)]:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    self.cpu[p.pid] = max(self.cpu.get(p.pid, 0.0), t.user + t.system)
+                    rss += p.memory_info().rss
+                    if with_pss:
+                        pss += p.memory_full_info().pss
+            except psutil.Error:
+                pass
+        self.peak_rss = max(self.peak_rss, rss)
+        self.peak_pss = max(self.peak_pss, pss)
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu.values())
+
+
+def measure(system: str, corpus: str, inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cmd = [sys.executable, __file__, "--child", system, "--input", str(inp), "--work", str(work),
+           "--cpus", str(cpus)] + (["--minhash"] if minhash else [])
+    load_before = os.getloadavg()[0]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"})
+    sampler = TreeSampler(child.pid)
+
+    def sample():
+        i = 0
+        while child.poll() is None:
+            sampler.sample(with_pss=i % 4 == 0)  # PSS reads smaps: once a second is enough
+            i += 1
+            time.sleep(0.25)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, _ = child.communicate()
+    t.join()
+    if child.returncode != 0:
+        raise SystemExit(f"{system} on {corpus} failed (exit {child.returncode}); rerun the child by hand: "
+                         f"{' '.join(cmd)}")
+    res = json.loads(out.strip().splitlines()[-1])
+    files = list(inp.glob("*.jsonl"))
+    docs = sum(sum(1 for _ in open(f)) for f in files)
+    mb = sum(f.stat().st_size for f in files) / 1e6
+    secs = res["seconds"]
+    config = "filters+minhash" if minhash else "filters"
+    return {"bench": "data_clean", "corpus": corpus, "system": system, "config": config, "docs": docs,
+            "mb": round(mb, 2), "cpus": cpus, "kept": res["kept"], "seconds": round(secs, 2),
+            "docs_per_s": round(docs / secs, 1), "docs_per_s_per_core": round(docs / secs / cpus, 1),
+            "mb_per_s": round(mb / secs, 3), "mb_per_s_per_core": round(mb / secs / cpus, 4),
+            # CPU seconds of the whole process tree, start-up included: robust to other load on the machine
+            "cpu_s": round(sampler.cpu_seconds, 1), "docs_per_cpu_s": round(docs / max(sampler.cpu_seconds, 1e-9), 1),
+            "peak_rss_mb": round(sampler.peak_rss / 2**20), "peak_pss_mb": round(sampler.peak_pss / 2**20),
+            "startup_s": round(res["startup_s"], 2),
+            **({"ingest_s": round(res["ingest_s"], 2)} if "ingest_s" in res else {}),
+            "load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2),
+            **({"op_seconds": res["op_seconds"]} if "op_seconds" in res else {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--synthetic-docs", type=int, default=200_000)
+    ap.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/raypai-bench-data"))
+    ap.add_argument("--skip-milton", action="store_true")
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--systems", default="raypai,raypai-equivalent,datatrove")
+    ap.add_argument("--child", choices=["raypai", "raypai-equivalent", "datatrove"])
+    ap.add_argument("--input", type=Path)
+    ap.add_argument("--minhash", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        if a.child == "datatrove":
+            res = run_datatrove(a.input, a.work, a.minhash, a.cpus)
+        else:
+            recipe = EQUIVALENT_RECIPE + ["minhash_dedup"] * a.minhash if a.child == "raypai-equivalent" else None
+            res = run_raypai(a.input, a.work, a.minhash, a.cpus, recipe)
+        print(json.dumps(res), flush=True)
+        return
+    corpora = []
+    if not a.skip_milton:
+        corpora.append(("milton-paragraphs", prepare_milton(a.work / "inputs" / "milton")))
+    if not a.skip_synthetic:
+        name = f"synthetic-{a.synthetic_docs // 1000}k"
+        corpora.append((name, prepare_synthetic(a.work / "inputs" / name, a.synthetic_docs)))
+    for corpus, inp in corpora:
+        for minhash in (False, True):
+            for system in a.systems.split(","):
+                run = f"{corpus}-{system}-{'minhash' if minhash else 'filters'}"
+                print(json.dumps(measure(system, corpus, inp, a.work / "runs" / run, minhash, a.cpus)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

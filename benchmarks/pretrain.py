@@ -1,0 +1,146 @@
+"""Pretraining throughput and checkpoint stall: raypai (Ray Train + DeepSpeed) vs a bare PyTorch loop.
+
+    .venv/bin/python benchmarks/pretrain.py                 # ≈ 5 min on 2 cores; one JSON line per result
+    .venv/bin/python benchmarks/pretrain.py --steps 40 --ckpt-model-hidden 512
+
+Results (baselines measured in the same run):
+- `bare_loop`: a single-process PyTorch loop (same model, micro-batch, AdamW, clipping, schedule,
+  1 thread) — the per-core ceiling; measured before and after the Ray runs to bracket drift.
+- `raypai_workers_1`, `raypai_workers_2`: steady-state tokens/s of raypai's loop (ZeRO-2, 1 thread
+  per worker, first 3 steps excluded), its per-core ratio to the bare loop (target ≥ 0.9) and the
+  1 → 2 worker scaling efficiency.
+- `checkpoint_stall`: seconds the loop is blocked per checkpoint with asynchronous vs synchronous
+  saving (target: async ≤ 10% of sync), on a larger model so the state is worth writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from raypai.train import ModelConfig, PretrainConfig, build_model, pretrain  # noqa: E402
+from raypai.train.data import load_blocks  # noqa: E402
+from raypai.train.model import measure_peak_flops  # noqa: E402
+from raypai.train.schedule import lr_multiplier  # noqa: E402
+from raypai.train.synthetic import write_token_shards  # noqa: E402
+
+
+def bare_loop(cfg: PretrainConfig, tokens: np.ndarray, warm: int = 3) -> dict:
+    """Tokens/s of the same training step in one process with no Ray, DeepSpeed or logging:
+    mean over the steps after warm-up, and from the median step time (robust to other processes'
+    bursts on a shared machine)."""
+    torch.set_num_threads(cfg.threads_per_worker)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.model.vocab_size, eos_id=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
+        s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio))
+    rng = np.random.default_rng(cfg.seed)
+    times = []
+    for step in range(cfg.steps):
+        x = torch.from_numpy(tokens[rng.integers(0, len(tokens), cfg.micro_batch)]).long()  # (b, T)
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        loss.item()
+        if step >= warm:
+            times.append(time.perf_counter() - t0)
+    per_step = cfg.micro_batch * tokens.shape[1]
+    return {"mean": per_step * len(times) / sum(times), "median": per_step / statistics.median(times)}
+
+
+def raypai_run(cfg: PretrainConfig, shards: Path, work: Path, name: str) -> dict:
+    res = pretrain(shards, None, work / f"model-{name}", cfg, name=name, storage_path=work / "store", resume=False)
+    return res["metrics"]
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ckpt-model-hidden", type=int, default=512)
+    ap.add_argument("--ckpt-steps", type=int, default=24)
+    args = ap.parse_args()
+
+    import ray
+
+    work = Path(tempfile.mkdtemp(prefix="raypai-bench-pretrain-"))
+    shards = work / "shards"
+    write_token_shards(shards, vocab=2048, block=128, blocks=1024)
+    tokens = load_blocks(shards, "train")[1]
+    model = ModelConfig(layers=4, hidden=args.hidden, heads=4, kv_heads=4, intermediate=args.hidden * 8 // 3,
+                        max_positions=128, vocab_size=2048)
+    torch.set_num_threads(1)  # the workers' thread count: the peak is per worker
+    peak = measure_peak_flops(1.0)
+    base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, lr=1e-3, zero_stage=2,
+                          workers=2, threads_per_worker=1, eval_every=args.steps, eval_blocks=8,
+                          checkpoint_every=10**6, log_every=10, peak_flops_per_worker=peak, memory_budget_gb=8)
+    n_params = sum(p.numel() for p in build_model(model, 2048).parameters())
+    common = {"n_params": n_params, "micro_batch": base.micro_batch, "seq_len": 128, "threads_per_worker": 1,
+              "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+
+    bare_before = bare_loop(base, tokens)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        one = raypai_run(replace(base, workers=1), shards, work, "w1")
+        two = raypai_run(base, shards, work, "w2")
+        bare_after = bare_loop(base, tokens)
+        bare = {k: statistics.mean([bare_before[k], bare_after[k]]) for k in ("mean", "median")}
+        emit({"bench": "pretrain", "result": "bare_loop", "tokens_per_s": round(bare["mean"], 1),
+              "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
+              "after": round(bare_after["median"], 1), **common})
+        for workers, m in ((1, one), (2, two)):
+            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": 2,
+                  "tokens_per_s": round(m["tokens_per_s_steady"], 1),
+                  "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+                  "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
+                  "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
+                  "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
+        emit({"bench": "pretrain", "result": "scaling_1_to_2_workers",
+              "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
+              "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3), **common})
+
+        big = replace(base, model=replace(model, hidden=args.ckpt_model_hidden,
+                                          intermediate=args.ckpt_model_hidden * 8 // 3),
+                      steps=args.ckpt_steps, checkpoint_every=4, eval_every=args.ckpt_steps)
+        big_params = sum(p.numel() for p in build_model(big.model, 2048).parameters())
+        stalls = {}
+        for mode in ("sync", "async"):
+            m = raypai_run(replace(big, async_checkpoint=mode == "async"), shards, work, f"ckpt-{mode}")
+            stalls[mode] = m
+        sync_s, async_s = stalls["sync"]["checkpoint_stall_mean_s"], stalls["async"]["checkpoint_stall_mean_s"]
+        emit({"bench": "pretrain", "result": "checkpoint_stall", "n_params": big_params,
+              "state_mb_approx": round(big_params * 16 / 2**20, 1), "checkpoints": stalls["sync"]["checkpoints"],
+              "sync_stall_s": round(sync_s, 4), "async_stall_s": round(async_s, 4),
+              "async_over_sync": round(async_s / sync_s, 3), "target": 0.10,
+              "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
+              "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
+              "storage": "local disk (RunConfig.storage_path)", "load_avg_1m": os.getloadavg()[0]})
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

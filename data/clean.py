@@ -1,0 +1,264 @@
+"""Clean a raw dataset on Ray: mappers and filters with Ray Data `map_batches`, then exact and
+MinHash dedup with band keys sharded to union-find actors. Every row is accounted for.
+
+    from raypai.data import clean
+    manifest = clean("ingested/", "cleaned/", recipe="default", work_dir=".raypai/work/clean-x")
+
+Resumable per input shard: each shard's filtered rows are committed to `work_dir` as soon as the
+shard is complete; a re-run skips the committed ones.
+Invariant checked on every run: input = kept + Σ dropped per op + rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from raypai.data import _execute as ex
+from raypai.data.ops.dedup import BucketShard, ExactDedup, MinHashDedup, UnionFind
+from raypai.data.recipe import describe, is_dedup, load_recipe
+from raypai.data.report import write_report
+from raypai.errors import ConfigError, DataError
+
+KEEP_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string()),
+                         ("lang", pa.string()), ("lang_score", pa.float64())])
+KEEP_COLUMNS = KEEP_SCHEMA.names
+DROP_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("op", pa.string()),
+                         ("reason", pa.string()), ("stat", pa.float64()), ("cluster_id", pa.string()),
+                         ("text", pa.string())])
+
+
+def _split_recipe(ops: list) -> tuple[list, list]:
+    first_dedup = next((i for i, op in enumerate(ops) if is_dedup(op)), len(ops))
+    late = [op.name for op in ops[first_dedup:] if not is_dedup(op)]
+    if late:
+        raise ConfigError([f"ops {late} come after a dedup op; put mappers and filters before "
+                           "exact_dedup/minhash_dedup"], what="recipe")
+    return ops[:first_dedup], ops[first_dedup:]
+
+
+def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_dir: str | Path | None = None,
+          batch_size: int = 1024, logger=None, progress=print, stop_after_shards: int | None = None) -> dict:
+    """Clean the ingested dataset in `raw_dir` into `out_dir`; return its manifest.
+
+    `recipe`: 'default', a YAML path or a list (see `load_recipe`). `work_dir` holds per-shard
+    results; a run that dies part-way resumes from the shards committed there. `logger`: anything
+    with `log_metrics(dict)` (a RunLogger). `stop_after_shards` simulates a kill (for tests)."""
+    raw_dir, out_dir = Path(raw_dir), Path(out_dir)
+    ops = load_recipe(recipe)
+    row_ops, dedup_ops = _split_recipe(ops)
+    raw = json.loads((raw_dir / "manifest.json").read_text())
+    rows_of = {p["file"]: p["rows"] for p in raw["parts"]}
+    parts = list(rows_of)
+    work = Path(work_dir) if work_dir else out_dir / "_work"
+    _prepare_work(work, describe(ops))
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+    t0 = time.time()
+    ns = ray.get_runtime_context().namespace
+    coord_name = f"raypai-data-coordinator-{uuid.uuid4().hex[:8]}"
+    coord = ex.Coordinator.options(name=coord_name).remote([op.name for op in ops])
+    # Union-find shard actors start now, so their process start-up overlaps the filtering pass.
+    bucket_shards = {op.name: [ray.remote(BucketShard).options(
+        name=f"raypai-minhash-{op.name}-{s}-{uuid.uuid4().hex[:6]}", num_cpus=0).remote() for s in range(op.num_shards)]
+        for op in dedup_ops if isinstance(op, MinHashDedup)}
+
+    try:
+        pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
+        progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
+        for p in [p for p in pending if rows_of[p] == 0]:  # an empty shard yields no batch: commit it now
+            _commit_shard(work, p, None)
+        pending = [p for p in pending if rows_of[p] > 0]
+        if pending:
+            # largest shards first, so the last task to start is a short one
+            pending.sort(key=lambda p: -rows_of[p])
+            ds = ray.data.from_items([{"shard": p} for p in pending], override_num_blocks=len(pending))
+            ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
+                                fn_kwargs={"raw_dir": str(raw_dir), "batch_size": batch_size, "ops": row_ops,
+                                           "dedup_ops": dedup_ops, "coordinator_name": coord_name, "namespace": ns})
+            _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, stop_after_shards)
+        kept = _concat([pq.read_table(work / "kept" / f"{p}") for p in parts]).sort_by("doc_id")
+        dropped = [pq.read_table(work / "dropped" / f"{p}") for p in parts]
+        for op in dedup_ops:
+            t1 = time.perf_counter()
+            kept, gone = _dedup(kept, op, bucket_shards.get(op.name))
+            dropped.append(gone)
+            ray.get(coord.add_seconds.remote(ops.index(op), time.perf_counter() - t1))
+            progress(f"clean: {op.name} removed {gone.num_rows} duplicates")
+        live = ray.get(coord.summary.remote())
+    finally:
+        for actor in [coord, *(a for group in bucket_shards.values() for a in group)]:
+            ray.kill(actor)
+    dropped_all = _concat(dropped, DROP_SCHEMA)
+    op_stats = _op_stats(ops, raw["rows"], dropped_all, live)
+    stats_files = [f for p in parts if (f := work / "done" / f"{p}.stats.parquet").exists()]
+    return _write_outputs(raw_dir, out_dir, raw, kept.select(KEEP_COLUMNS), dropped_all, op_stats, ops,
+                          time.time() - t0, logger, stats_files)
+
+
+def _dedup(kept: pa.Table, op, shards: list | None) -> tuple[pa.Table, pa.Table]:
+    """(rows kept, drop records) of one dedup op over the rows that passed the filters."""
+    ids = kept.column("doc_id").to_pylist()  # sorted, so the lowest index in a cluster is its keeper
+    keys = kept.column(f"key.{op.name}")
+    cluster_of = (_exact_clusters(ids, keys.to_pylist()) if isinstance(op, ExactDedup)
+                  else _minhash_clusters(ids, keys, op, shards))
+    mask = pc.is_in(kept.column("doc_id"), pa.array(list(cluster_of), pa.string()))
+    gone = kept.filter(mask)
+    gone_ids = gone.column("doc_id").to_pylist()
+    records = pa.table({"doc_id": gone_ids, "source": gone.column("source"), "op": [op.name] * len(gone_ids),
+                        "reason": [f"duplicate of {cluster_of[i]}" for i in gone_ids],
+                        "stat": pa.nulls(len(gone_ids), pa.float64()),
+                        "cluster_id": [cluster_of[i] for i in gone_ids], "text": gone.column("text")}, schema=DROP_SCHEMA)
+    return kept.filter(pc.invert(mask)), records
+
+
+def _prepare_work(work: Path, recipe_desc: list) -> None:
+    marker = work / "recipe.json"
+    text = json.dumps(recipe_desc, sort_keys=True)
+    if marker.exists() and marker.read_text() != text:
+        shutil.rmtree(work)  # another recipe's partial work must not be mixed in
+    for sub in ("kept", "dropped", "done"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    marker.write_text(text)
+
+
+def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_after_shards: int | None) -> None:
+    """One Ray Data execution over all pending shards; batches arrive in any order and a shard is
+    committed as soon as all its rows are back (so a kill loses at most the shards in flight)."""
+    buffers: dict[str, list[pa.Table]] = defaultdict(list)
+    got: dict[str, int] = defaultdict(int)
+    committed = 0
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        names = batch.column("shard")
+        for part in pc.unique(names).to_pylist():
+            rows = batch.filter(pc.equal(names, part))
+            buffers[part].append(rows)
+            got[part] += rows.num_rows
+            if got[part] == expected[part]:
+                _commit_shard(work, part, pa.concat_tables(buffers.pop(part)))
+                committed += 1
+                progress(f"clean: filtered shards {committed}/{len(expected)}")
+                if stop_after_shards is not None and committed >= stop_after_shards:
+                    raise DataError(f"clean stopped after {committed} shards (stop_after_shards); run again to resume")
+    short = {p: f"{got[p]}/{n}" for p, n in expected.items() if got[p] != n}
+    if short:
+        raise DataError(f"rows went missing in the Ray Data pass ({short}); nothing was committed for these "
+                        "shards: run again to retry them")
+
+
+def _concat(tables: list[pa.Table], schema: pa.Schema | None = None) -> pa.Table:
+    tables = [t for t in tables if t is not None]
+    if not tables:
+        return schema.empty_table() if schema else pa.table({c: pa.array([], pa.string()) for c in KEEP_COLUMNS})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _commit_shard(work: Path, part: str, rows: pa.Table | None) -> None:
+    """Write one shard's kept and dropped rows, then its done marker (last, so a kill in between
+    leaves the shard pending)."""
+    if rows is None or not rows.num_rows:
+        kept, dropped, stats_cols = KEEP_SCHEMA.empty_table(), DROP_SCHEMA.empty_table(), []
+    else:
+        is_drop = pc.is_valid(rows.column("drop_op"))
+        k, d = rows.filter(pc.invert(is_drop)), rows.filter(is_drop)
+        kept = pa.table({c: (k.column(c) if c in k.column_names else pa.nulls(k.num_rows, pa.string()))
+                         for c in KEEP_COLUMNS}).cast(KEEP_SCHEMA, safe=False)
+        for c in (c for c in rows.column_names if c.startswith("key.")):  # dedup keys, merged later
+            kept = kept.append_column(c, k.column(c))
+        dropped = pa.table({"doc_id": d.column("doc_id"), "source": d.column("source"), "op": d.column("drop_op"),
+                            "reason": d.column("drop_reason"), "stat": d.column("drop_stat"),
+                            "cluster_id": pa.nulls(d.num_rows, pa.string()), "text": d.column("text")},
+                           schema=DROP_SCHEMA)
+        stats_cols = [c for c in rows.column_names if c.startswith("stats.")]
+    pq.write_table(kept, work / "kept" / part)
+    pq.write_table(dropped, work / "dropped" / part)
+    if stats_cols:
+        pq.write_table(rows.select(stats_cols), work / "done" / f"{part}.stats.parquet")
+    (work / "done" / f"{part}.json").write_text(json.dumps({"rows": 0 if rows is None else rows.num_rows,
+                                                             "kept": kept.num_rows}))
+
+
+def _exact_clusters(doc_ids: list[str], keys: list[str]) -> dict[str, str]:
+    """duplicate doc_id → keeper doc_id; `doc_ids` sorted, so the first holder of a key keeps it."""
+    keeper: dict[str, str] = {}
+    return {doc: keeper[key] for doc, key in zip(doc_ids, keys) if keeper.setdefault(key, doc) != doc}
+
+
+def _minhash_clusters(doc_ids: list[str], bands: pa.ChunkedArray, op: MinHashDedup, shards: list,
+                      chunk: int = 1 << 18, max_inflight: int = 4) -> dict[str, str]:
+    """Band keys go to the union-find shard their hash selects (at most `max_inflight` requests
+    queued per shard: backpressure); the candidate edges they return are merged with union-find.
+    Documents are numbered in doc_id order, so cluster roots (the lowest number) are the keepers."""
+    keys = np.asarray(pc.list_flatten(bands).to_numpy(zero_copy_only=False), dtype=np.uint64)  # (N·num_bands,)
+    docs = np.repeat(np.arange(len(doc_ids), dtype=np.int64), op.num_bands)
+    owner = keys % np.uint64(op.num_shards)
+    inflight: dict[int, list] = defaultdict(list)
+    edges: list[np.ndarray] = []
+    for s in range(op.num_shards):
+        sel = np.flatnonzero(owner == s)
+        for lo in range(0, len(sel), chunk):
+            if len(inflight[s]) >= max_inflight:
+                done, inflight[s] = ray.wait(inflight[s], num_returns=1)
+                edges.append(ray.get(done[0]))
+            part = sel[lo:lo + chunk]
+            inflight[s].append(shards[s].add.remote(keys[part], docs[part]))
+    edges += [e for refs in inflight.values() for e in ray.get(refs)]
+    uf = UnionFind()
+    for a, b in np.concatenate(edges or [np.zeros((0, 2), np.int64)]).tolist():
+        uf.union(a, b)
+    return {doc_ids[d]: doc_ids[uf.find(d)] for d in list(uf.parent) if uf.find(d) != d}
+
+
+def _op_stats(ops, input_rows: int, dropped: pa.Table, live: dict) -> list[dict]:
+    """Rows in/out per op from the drop records (complete across resumed runs); seconds from the
+    coordinator (this run's work only)."""
+    by_op = dict(zip(*np.unique(np.asarray(dropped.column("op").to_pylist(), dtype=object), return_counts=True))) \
+        if dropped.num_rows else {}
+    rows, alive = [], input_rows
+    for i, op in enumerate(ops):
+        n_drop = int(by_op.get(op.name, 0))
+        rows.append({"op_index": i, "op_name": op.name, "rows_in": alive, "rows_out": alive - n_drop,
+                     "dropped": n_drop, "seconds": round(float(live["seconds"][i]), 4)})
+        alive -= n_drop
+    return rows
+
+
+def _write_outputs(raw_dir, out_dir, raw, kept, dropped, op_stats, ops, seconds, logger, stats_files) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shard_rows = 50_000
+    shards = []
+    for i in range(max(1, -(-kept.num_rows // shard_rows))):
+        name = f"part-{i:05d}.parquet"
+        pq.write_table(kept.slice(i * shard_rows, shard_rows), out_dir / name)
+        shards.append({"file": name, "rows": min(shard_rows, kept.num_rows - i * shard_rows),
+                       "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest()})
+    pq.write_table(dropped.sort_by([("op", "ascending"), ("doc_id", "ascending")]), out_dir / "dropped.parquet")
+    shutil.copyfile(raw_dir / "rejected.parquet", out_dir / "rejected.parquet")
+    total_input = raw["rows"] + raw["rejected"]
+    accounting = {"input_rows": total_input, "kept": kept.num_rows, "dropped": dropped.num_rows,
+                  "rejected": raw["rejected"],
+                  "dropped_by_op": {r["op_name"]: r["dropped"] for r in op_stats}}
+    if total_input != kept.num_rows + sum(accounting["dropped_by_op"].values()) + raw["rejected"]:
+        raise DataError(f"accounting invariant broken: input {total_input} != kept {kept.num_rows} + dropped "
+                        f"{accounting['dropped_by_op']} + rejected {raw['rejected']}; this is a raypai bug, report it")
+    manifest = {"kind": "dataset", "schema": KEEP_COLUMNS, "rows": kept.num_rows, "shards": shards,
+                "sources": raw["files"], "recipe": describe(ops), "op_stats": op_stats, "accounting": accounting,
+                "seconds": round(seconds, 2),
+                "text_bytes": int(sum(len(t.encode()) for t in kept.column("text").to_pylist()))}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_report(out_dir, manifest, dropped, stats_files)
+    if logger is not None:
+        logger.log_metrics({"kept": kept.num_rows, "dropped": dropped.num_rows, "rejected": raw["rejected"],
+                            **{f"dropped.{k}": v for k, v in accounting["dropped_by_op"].items()}})
+    return manifest

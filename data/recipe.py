@@ -1,0 +1,144 @@
+"""Recipes: an ordered list of ops with parameters, from Python or YAML.
+
+    ops:
+      - whitespace_normalize
+      - word_count: {min_value: 20}
+      - minhash_dedup: {num_bands: 14, rows_per_band: 8}
+      - my_pkg.ops:MyFilter: {threshold: 0.3}     # a custom op by import path
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from pathlib import Path
+
+import yaml
+
+from raypai.data.ops.dedup import ExactDedup, MinHashDedup
+from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
+                                     GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
+from raypai.data.ops.language import Language
+from raypai.data.ops.mappers import BoilerplateStrip, PIIRedact, PunctuationNormalize, UnicodeNFC, WhitespaceNormalize
+from raypai.errors import ConfigError
+
+OPS = {
+    "unicode_nfc": UnicodeNFC,
+    "whitespace_normalize": WhitespaceNormalize,
+    "punctuation_normalize": PunctuationNormalize,
+    "boilerplate_strip": BoilerplateStrip,
+    "pii_redact": PIIRedact,
+    "word_count": WordCount,
+    "mean_word_length": MeanWordLength,
+    "alnum_ratio": AlnumRatio,
+    "special_char_ratio": SpecialCharRatio,
+    "char_repetition": CharRepetition,
+    "word_repetition": WordRepetition,
+    "gopher_repetition": GopherRepetition,
+    "gopher_quality": GopherQuality,
+    "fineweb_quality": FineWebQuality,
+    "flagged_words": FlaggedWords,
+    "language": Language,
+    "exact_dedup": ExactDedup,
+    "minhash_dedup": MinHashDedup,
+}
+
+DEFAULT_RECIPE = [
+    "unicode_nfc", "boilerplate_strip", "whitespace_normalize", "punctuation_normalize", "pii_redact",
+    {"word_count": {"min_value": 20}}, "mean_word_length", "alnum_ratio", "special_char_ratio",
+    "char_repetition", "word_repetition", "gopher_repetition", "flagged_words", "language",
+    "exact_dedup", "minhash_dedup",
+]
+
+
+def is_dedup(op) -> bool:
+    return isinstance(op, ExactDedup | MinHashDedup)
+
+
+def load_recipe(recipe) -> list:
+    """Ops from a list, a YAML path, or the name 'default'. Every problem is reported at once."""
+    if recipe is None or recipe == "default":
+        recipe = DEFAULT_RECIPE
+    elif isinstance(recipe, str | Path):
+        path = Path(recipe)
+        if not path.exists():
+            raise ConfigError([f"recipe file {recipe} not found; pass a YAML file or 'default'"], what="recipe")
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"recipe file {recipe} is not valid YAML: {exc}"], what="recipe") from None
+        recipe = doc.get("ops") if isinstance(doc, dict) else doc
+    if not isinstance(recipe, list) or not recipe:
+        raise ConfigError(["a recipe is a non-empty list of ops (or a YAML file with an `ops:` list)"], what="recipe")
+    ops, problems = [], []
+    for i, entry in enumerate(recipe):
+        if isinstance(entry, str):
+            name, params = entry, {}
+        elif isinstance(entry, dict) and len(entry) == 1:
+            name, params = next(iter(entry.items()))
+            params = params or {}
+        elif not isinstance(entry, dict | str) and hasattr(entry, "name"):
+            ops.append(entry)  # an op object built in Python
+            continue
+        else:
+            problems.append(f"op #{i}: {entry!r} is neither a name nor a single-key mapping {{name: {{params}}}}")
+            continue
+        cls = _resolve(name, i, problems)
+        if cls is None:
+            continue
+        errs = _check_params(cls, name, params, i)
+        if errs:
+            problems += errs
+            continue
+        try:
+            ops.append(cls(**params))
+        except (TypeError, ValueError, OSError) as exc:
+            problems.append(f"op #{i} {name}: {exc}")
+    if problems:
+        raise ConfigError(problems, what="recipe")
+    return ops
+
+
+def _resolve(name: str, i: int, problems: list):
+    if name in OPS:
+        return OPS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"op #{i}: custom op {name!r} cannot be imported ({exc}); use 'package.module:ClassName'")
+            return None
+    problems.append(f"op #{i}: unknown op {name!r}; valid ops: {', '.join(OPS)} (or 'package.module:Class')")
+    return None
+
+
+def _check_params(cls, name: str, params: dict, i: int) -> list[str]:
+    if not dataclasses.is_dataclass(cls):
+        return []
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.name != "name"}
+    errs = []
+    for k, v in params.items():
+        if k not in fields:
+            errs.append(f"op #{i} {name}: unknown parameter {k!r}; valid: {', '.join(fields) or '(none)'}")
+            continue
+        want = hints.get(k)
+        if want in (int, float) and (isinstance(v, bool) or not isinstance(v, int | float)):
+            errs.append(f"op #{i} {name}: parameter {k!r} must be a number (got {type(v).__name__} {v!r})")
+        elif want is int and isinstance(v, float) and not v.is_integer():
+            errs.append(f"op #{i} {name}: parameter {k!r} must be an integer (got {v!r})")
+        elif want is str and not isinstance(v, str):
+            errs.append(f"op #{i} {name}: parameter {k!r} must be a string (got {type(v).__name__} {v!r})")
+    return errs
+
+
+def describe(ops: list) -> list[dict]:
+    """JSON-able description of a recipe (stored in the manifest and logged to MLflow)."""
+    out = []
+    for op in ops:
+        params = {f.name: getattr(op, f.name) for f in dataclasses.fields(op)
+                  if not f.name.startswith("_") and f.name != "name"} if dataclasses.is_dataclass(op) else {}
+        out.append({"op": op.name, "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in params.items()}})
+    return out

@@ -1,0 +1,3 @@
+from raypai.cli.main import main
+
+main()

@@ -1,0 +1,255 @@
+"""The `raypai` command line.
+
+    raypai run pipelines/toy.py --param n=20
+    raypai runs ; raypai show RUN_ID ; raypai resume RUN_ID
+    raypai lineage ARTIFACT_ID [--down] [--json]
+    raypai doctor ; raypai ui
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import typer
+
+from raypai.cli.render import Progress, console, lineage_tree, runs_table, steps_table, summary_table
+from raypai.errors import NotFoundError, PipelineError, RaypaiError
+
+app = typer.Typer(help="raypai: raw text → trained, aligned, deployed language model, with lineage.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+db_app = typer.Typer(help="Metadata database schema (Alembic).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+def _settings():
+    from raypai.settings import Settings
+
+    return Settings.load()
+
+
+def _store():
+    from raypai.store import MetadataStore
+
+    return MetadataStore(_settings().database_url)
+
+
+def _parse_params(params: list[str]) -> dict:
+    out = {}
+    for p in params:
+        if "=" not in p:
+            raise PipelineError(f"--param {p!r} is not KEY=VALUE; write e.g. --param n=20")
+        k, v = p.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def _finish(result) -> None:
+    console.print(summary_table(result))
+    if result.mlflow_run_id:
+        console.print(f"MLflow parent run: [bold]{result.mlflow_run_id}[/]  ·  details: raypai show {result.run_id[:12]}")
+    for node, r in result.steps.items():
+        if r.state == "failed":
+            console.print(f"[red]step {node} failed:[/] {r.error}")
+            if r.traceback:
+                console.print(f"[dim]{r.traceback.strip()[-3000:]}[/]")
+    if result.state == "failed":
+        console.print(f"fix the cause, then: [bold]raypai resume {result.run_id[:12]}[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def run(target: str = typer.Argument(..., help="FILE.py[:PIPELINE] or package.module[:PIPELINE]"),
+        param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)")):
+    """Run a pipeline; unchanged steps are cache hits."""
+    from raypai.loader import load_pipeline
+    from raypai.runner import Runner
+
+    pipe = load_pipeline(target)
+    dag = pipe.build(**_parse_params(param))
+    result = Runner(_settings(), progress=Progress()).run(dag, source_file=_target_file(target))
+    _finish(result)
+
+
+def _target_file(target: str) -> str:
+    """What `resume` loads again: the file's absolute path, or the module name."""
+    path = target.partition(":")[0]
+    return os.path.abspath(path) if path.endswith(".py") else path
+
+
+@app.command()
+def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or interrupted run")):
+    """Re-run a run: finished steps are reused, failed/unfinished ones run again."""
+    from raypai.loader import load_pipeline
+    from raypai.runner import Runner
+
+    store = _store()
+    origin = store.get_run(run_id)
+    source = store.pipeline_source(origin["pipeline"])
+    if not source:
+        raise NotFoundError(f"run {run_id} has no recorded pipeline source; run it again with `raypai run`")
+    pipe = load_pipeline(f"{source}:{origin['pipeline']}")
+    dag = pipe.build(**origin["params"])
+    console.print(f"resuming run {origin['id'][:12]} ({origin['state']}) of {origin['pipeline']}")
+    result = Runner(_settings(), progress=Progress()).run(dag, origin_run_id=origin["id"], source_file=source)
+    _finish(result)
+
+
+@app.command()
+def runs(limit: int = 20, pipeline: Optional[str] = None):
+    """List recent pipeline runs."""
+    console.print(runs_table(_store().list_runs(limit=limit, pipeline=pipeline)))
+
+
+@app.command()
+def show(run_id: str, openlineage: bool = typer.Option(False, help="print the run as OpenLineage events (JSON)")):
+    """Show one run: its steps, states, errors, outputs."""
+    from raypai.lineage import openlineage_events
+
+    store = _store()
+    r = store.get_run(run_id)
+    if openlineage:
+        print(json.dumps(openlineage_events(store, r["id"]), indent=1))
+        return
+    console.print(f"[bold]run {r['id']}[/] of {r['pipeline']}: {r['state']}  params={json.dumps(r['params'])}")
+    if r["origin_run_id"]:
+        console.print(f"resumed from {r['origin_run_id']}")
+    steps = store.step_runs(r["id"])
+    console.print(steps_table(steps))
+    for s in steps:
+        for name, a in store.outputs_of(s["id"]).items():
+            console.print(f"  {s['node']} → {name}: {a.kind} {a.name} [dim]{a.id}[/]")
+        if s["traceback"]:
+            console.print(f"[red]{s['node']} traceback:[/]\n[dim]{s['traceback'].strip()[-3000:]}[/]")
+
+
+@app.command()
+def artifacts(kind: Optional[str] = None, limit: int = 30):
+    """List artifacts, newest first."""
+    from rich.table import Table
+
+    t = Table(title="artifacts")
+    for col in ("id", "kind", "name", "digest", "size", "uri"):
+        t.add_column(col)
+    for a in _store().list_artifacts(kind=kind, limit=limit):
+        t.add_row(a.id[:12], a.kind, a.name, a.digest[:12], str(a.size_bytes), a.uri)
+    console.print(t)
+
+
+@app.command()
+def lineage(ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, or a run id (its outputs)"),
+            down: bool = typer.Option(False, "--down", help="show what was built from it instead"),
+            as_json: bool = typer.Option(False, "--json", help="print the graph as JSON"),
+            deployment: Optional[str] = typer.Option(None, "--deployment", help="start from a deployment's model")):
+    """The chain from an artifact back to the raw sources (or forward with --down)."""
+    from raypai import lineage as lin
+
+    store = _store()
+    if deployment:
+        from raypai.lineage_deploy import deployment_lineage
+
+        graph = deployment_lineage(store, _settings(), deployment)
+        if as_json:
+            print(json.dumps(graph, indent=1, default=str))
+        else:
+            from raypai.cli.render import deployment_view
+
+            deployment_view(graph)
+        return
+    if not ref:
+        raise PipelineError("give an artifact id (see `raypai artifacts`), a run id, or --deployment NAME")
+    ids = []
+    try:
+        ids = [store.get_artifact(ref).id]
+    except NotFoundError:
+        r = store.get_run(ref)
+        ids = [a.id for s in store.step_runs(r["id"]) for a in store.outputs_of(s["id"]).values()
+               if not store.consumers_of(a.id) or down]
+    graphs = [(lin.downstream if down else lin.upstream)(store, i) for i in ids]
+    if as_json:
+        print(json.dumps(graphs[0] if len(graphs) == 1 else graphs, indent=1, default=str))
+        return
+    for g in graphs:
+        console.print(lineage_tree(g, down=down))
+
+
+@app.command()
+def ui(port: int = 5000, host: str = "127.0.0.1"):
+    """Start the MLflow UI on the configured tracking store and print where to look."""
+    s = _settings()
+    console.print(f"MLflow UI:      http://{host}:{port}   (tracking store {s.mlflow_tracking_uri})")
+    console.print("Ray dashboard:  http://127.0.0.1:8265  (while a pipeline or `ray start --head` runs)")
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
+           "--backend-store-uri", s.mlflow_tracking_uri, "--default-artifact-root", str(s.home / "mlartifacts")]
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}))
+
+
+@app.command()
+def doctor():
+    """Check the install: stdlib platform not shadowed, database, MLflow, Ray, torch, DeepSpeed."""
+    from raypai.doctor import run_checks
+
+    ok = True
+    for name, passed, detail in run_checks(_settings()):
+        ok &= passed
+        console.print(f"{'[green]✓' if passed else '[red]✗'} {name}[/]  {detail}")
+    raise typer.Exit(0 if ok else 1)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head"):
+    """Upgrade the metadata schema (Alembic) to REVISION."""
+    from raypai.store import MetadataStore, current_revision, migrate
+
+    store = MetadataStore(_settings().database_url, migrate_schema=False)
+    before = current_revision(store.engine)
+    migrate(store.engine, revision)
+    console.print(f"metadata schema: {before or '(empty)'} → {current_revision(store.engine)}")
+
+
+@db_app.command("current")
+def db_current():
+    """Print the metadata schema revision."""
+    from raypai.store import MetadataStore, current_revision
+
+    console.print(current_revision(MetadataStore(_settings().database_url, migrate_schema=False).engine) or "(empty)")
+
+
+# Commands contributed by the packages (each owns its module; mounted here by name).
+_MOUNTS = [
+    ("raypai.data.cli", "app", "data", "typer"),
+    ("raypai.train.cli", "train_command", "train", "command"),
+    ("raypai.alignment.cli", "align_command", "align", "command"),
+    ("raypai.serving.cli", "deploy_app", "deploy", "typer"),
+    ("raypai.serving.cli", "token_app", "token", "typer"),
+    ("raypai.serving.cli", "server_command", "server", "command"),
+    ("raypai.services", "services_app", "services", "typer"),
+    ("raypai.cluster", "submit_command", "submit", "command"),
+]
+
+
+def _mount() -> None:
+    for module, attr, name, kind in _MOUNTS:
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue  # that package's CLI is not installed in this build
+        if kind == "typer":
+            app.add_typer(obj, name=name)
+        else:
+            app.command(name)(obj)
+
+
+_mount()
+
+
+def main() -> None:
+    try:
+        app()
+    except RaypaiError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        sys.exit(2)

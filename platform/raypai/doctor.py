@@ -1,0 +1,56 @@
+"""`raypai doctor`: checks that the install and the configured services work."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import sysconfig
+from pathlib import Path
+
+from raypai.settings import Settings
+
+
+def run_checks(settings: Settings) -> list[tuple[str, bool, str]]:
+    out = []
+    import platform as std_platform
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    shadow_ok = Path(std_platform.__file__).resolve().is_relative_to(stdlib)
+    out.append(("stdlib platform not shadowed", shadow_ok,
+                std_platform.__file__ if shadow_ok else f"{std_platform.__file__} shadows the standard library: "
+                "remove platform/__init__.py"))
+    try:
+        from raypai.store import MetadataStore, current_revision
+
+        store = MetadataStore(settings.database_url)
+        out.append(("metadata database", True, f"{_redact(settings.database_url)} at revision {current_revision(store.engine)}"))
+    except Exception as exc:  # noqa: BLE001 - report, don't crash
+        out.append(("metadata database", False, str(exc)))
+    try:
+        from raypai.tracking import Tracker
+
+        Tracker(settings.mlflow_tracking_uri).client.search_experiments(max_results=1)
+        out.append(("MLflow tracking", True, settings.mlflow_tracking_uri))
+    except Exception as exc:  # noqa: BLE001
+        out.append(("MLflow tracking", False, f"{settings.mlflow_tracking_uri}: {exc}"))
+    try:
+        from raypai.artifacts import ArtifactStore
+
+        ArtifactStore(settings.artifact_uri)
+        out.append(("artifact store", True, settings.artifact_uri))
+    except Exception as exc:  # noqa: BLE001
+        out.append(("artifact store", False, str(exc)))
+    for mod in ("ray", "torch", "deepspeed", "transformers", "mlflow"):
+        try:
+            m = importlib.import_module(mod)
+            out.append((mod, True, getattr(m, "__version__", "?")))
+        except Exception as exc:  # noqa: BLE001
+            out.append((mod, False, f"import failed: {exc}"))
+    out.append(("python", sys.version_info >= (3, 10), sys.version.split()[0]))
+    return out
+
+
+def _redact(url: str) -> str:
+    from raypai.store.metadata import _redact as r
+
+    return r(url)

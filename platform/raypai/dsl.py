@@ -1,0 +1,280 @@
+"""`@step` and `@pipeline`: calling steps inside a pipeline function builds a DAG; nothing runs.
+
+    @step(cpus=1, retries=2)
+    def count(ctx, text: Artifact) -> dict: ...
+
+    @pipeline
+    def toy(n: int = 3):
+        return count(write(n=n))
+
+    toy.run(n=5)          # or: raypai run toy.py:toy --param n=5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import re
+import threading
+import typing
+from dataclasses import dataclass, field
+
+from raypai.errors import ConfigError, PipelineError
+
+_BUILD = threading.local()  # the DAG under construction while a @pipeline function body runs
+_SIMPLE_TYPES = (int, float, str, bool)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A handle on a step call's result inside a pipeline body; index it for a named output."""
+
+    node: str
+    key: str | None = None
+
+    def __getitem__(self, key: str) -> "StepOutput":
+        return StepOutput(self.node, key)
+
+    def __bool__(self):
+        raise PipelineError(
+            f"the output of step call {self.node!r} was used as a condition while building the pipeline; "
+            "outputs only exist when the pipeline runs: move the condition into a step"
+        )
+
+
+@dataclass
+class Node:
+    name: str
+    step: "StepDef"
+    args: dict  # param -> StepOutput | plain value
+
+    def upstream(self) -> list[str]:
+        return sorted({v.node for v in _walk_refs(self.args)})
+
+
+@dataclass
+class DAG:
+    pipeline: str
+    params: dict
+    nodes: dict[str, Node] = field(default_factory=dict)
+    result: object = None
+
+    def order(self) -> list[str]:
+        """Topological order; a cycle or a dangling reference is a PipelineError naming the nodes."""
+        missing = [(n.name, u) for n in self.nodes.values() for u in n.upstream() if u not in self.nodes]
+        if missing:
+            raise PipelineError(f"pipeline {self.pipeline!r}: step inputs refer to unknown step calls {missing}; "
+                                "pass outputs of steps called in the same pipeline")
+        indeg = {n: len(self.nodes[n].upstream()) for n in self.nodes}
+        ready = [n for n, d in indeg.items() if d == 0]
+        out: list[str] = []
+        while ready:
+            cur = ready.pop(0)
+            out.append(cur)
+            for n in self.nodes.values():
+                if cur in n.upstream():
+                    indeg[n.name] -= 1
+                    if indeg[n.name] == 0:
+                        ready.append(n.name)
+        if len(out) != len(self.nodes):
+            cyc = sorted(set(self.nodes) - set(out))
+            raise PipelineError(f"pipeline {self.pipeline!r} has a cycle through steps {cyc}; "
+                                "a step cannot consume its own (indirect) output")
+        return out
+
+
+def _walk_refs(value):
+    if isinstance(value, StepOutput):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _walk_refs(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _walk_refs(v)
+
+
+class StepDef:
+    """A function made into a pipeline step. Call it inside a @pipeline body."""
+
+    def __init__(self, fn, *, name=None, cpus=1.0, gpus=0.0, memory=None, resources=None,
+                 retries=0, retry_delay_s=1.0, cache=True):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.identity = f"{fn.__module__}:{fn.__qualname__}"
+        self.cpus, self.gpus, self.memory = float(cpus), float(gpus), memory
+        self.resources = dict(resources or {})
+        self.retries, self.retry_delay_s, self.cache = int(retries), float(retry_delay_s), bool(cache)
+        self.signature = inspect.signature(fn)
+        hints = _hints(fn)
+        from raypai.context import StepContext
+
+        self.ctx_param = next((p for p in self.signature.parameters
+                               if p == "ctx" or hints.get(p) is StepContext), None)
+        self.hints = hints
+        functools.update_wrapper(self, fn)
+
+    @functools.cached_property
+    def source_hash(self) -> str:
+        try:
+            src = inspect.getsource(self.fn)
+        except (OSError, TypeError):
+            src = self.fn.__code__.co_code.hex()
+        return hashlib.sha256(src.encode()).hexdigest()
+
+    def __call__(self, *args, **kwargs):
+        dag: DAG | None = getattr(_BUILD, "dag", None)
+        if dag is None:
+            raise PipelineError(f"step {self.name!r} was called outside a @pipeline function; call it inside "
+                                "one and run the pipeline, or call `{0}.fn(...)` to run the plain function"
+                                .format(self.name))
+        params = [p for p in self.signature.parameters.values() if p.name != self.ctx_param]
+        sig = inspect.Signature(params)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            valid = ", ".join(p.name for p in params) or "(none)"
+            raise PipelineError(f"step {self.name!r} in pipeline {dag.pipeline!r}: {exc}; "
+                                f"its parameters are: {valid}") from None
+        bound.apply_defaults()
+        problems = []
+        for pname, value in bound.arguments.items():
+            problems += _check_type(self.name, pname, value, self.hints.get(pname))
+        if problems:
+            raise ConfigError(problems, what=f"call of step {self.name!r}")
+        name = self.name
+        i = 2
+        while name in dag.nodes:
+            name, i = f"{self.name}_{i}", i + 1
+        dag.nodes[name] = Node(name, self, dict(bound.arguments))
+        return StepOutput(name)
+
+
+def step(fn=None, **options):
+    """Decorator: `@step` or `@step(cpus=2, gpus=0, retries=1, cache=True, memory=None, resources={})`."""
+    if fn is None:
+        return lambda f: StepDef(f, **options)
+    return StepDef(fn, **options)
+
+
+class PipelineDef:
+    def __init__(self, fn, name: str | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.signature = inspect.signature(fn)
+        self.hints = _hints(fn)
+        functools.update_wrapper(self, fn)
+
+    def build(self, **params) -> DAG:
+        params = self.coerce_params(params)
+        dag = DAG(self.name, params)
+        if getattr(_BUILD, "dag", None) is not None:
+            raise PipelineError("pipelines cannot be nested: call steps, not another pipeline, inside a pipeline")
+        _BUILD.dag = dag
+        try:
+            dag.result = self.fn(**params)
+        finally:
+            _BUILD.dag = None
+        if not dag.nodes:
+            raise PipelineError(f"pipeline {self.name!r} calls no steps; call at least one @step function in its body")
+        dag.order()
+        return dag
+
+    def coerce_params(self, params: dict) -> dict:
+        """Check names and convert CLI strings to the annotated types; all problems at once."""
+        valid = list(self.signature.parameters)
+        problems = [f"unknown parameter {k!r} of pipeline {self.name!r}; valid parameters: {', '.join(valid) or '(none)'}"
+                    for k in params if k not in valid]
+        out = {}
+        for pname, p in self.signature.parameters.items():
+            if pname in params:
+                value = params[pname]
+                hint = self.hints.get(pname)
+                if isinstance(value, str) and hint in (int, float, bool):
+                    try:
+                        value = _parse_scalar(value, hint)
+                    except ValueError:
+                        problems.append(f"parameter {pname!r} of pipeline {self.name!r} must be {hint.__name__} "
+                                        f"(got {value!r}); pass e.g. --param {pname}={_example(hint)}")
+                        continue
+                problems += _check_type(self.name, pname, value, hint)
+                out[pname] = value
+            elif p.default is inspect.Parameter.empty:
+                problems.append(f"pipeline {self.name!r} needs parameter {pname!r}; pass --param {pname}=VALUE")
+            else:
+                out[pname] = p.default
+        if problems:
+            raise ConfigError(problems, what=f"parameters of pipeline {self.name!r}")
+        return out
+
+    def run(self, *, settings=None, progress=None, origin_run_id: str | None = None, **params):
+        from raypai.runner import Runner
+
+        dag = self.build(**params)
+        return Runner(settings=settings, progress=progress).run(dag, origin_run_id=origin_run_id,
+                                                                source_file=inspect.getsourcefile(self.fn))
+
+    def __call__(self, *args, **kwargs):
+        raise PipelineError(f"pipeline {self.name!r} is run with `{self.name}.run(...)` or `raypai run FILE:{self.name}`")
+
+
+def pipeline(fn=None, *, name: str | None = None):
+    """Decorator: `@pipeline` or `@pipeline(name="tinychat")`."""
+    if fn is None:
+        return lambda f: PipelineDef(f, name)
+    return PipelineDef(fn, name)
+
+
+def canonical(value) -> str:
+    """Stable JSON of a parameter value (dataclasses and pydantic models included)."""
+    return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if hasattr(value, "model_dump"):
+        return _plain(value.model_dump())
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _hints(fn) -> dict:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable forward refs: fall back to no type checks
+        return {}
+
+
+def _check_type(owner: str, pname: str, value, hint) -> list[str]:
+    if isinstance(value, StepOutput) or hint not in _SIMPLE_TYPES or value is None:
+        return []
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return []
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return []
+    return [f"{owner}: parameter {pname!r} must be {hint.__name__}, got {type(value).__name__} {value!r}"]
+
+
+def _parse_scalar(text: str, hint):
+    if hint is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(text)
+    return hint(text)
+
+
+def _example(hint) -> str:
+    return {int: "3", float: "0.5", bool: "true"}.get(hint, "x")
+
+
+def valid_node_name(name: str) -> bool:
+    return bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name))

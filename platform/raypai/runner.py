@@ -1,0 +1,412 @@
+"""Runner: executes a pipeline DAG on Ray, one Ray task per step call, ready steps concurrently.
+
+Per step: cache key = sha256(step identity, source hash, canonical params, input digests); a
+finished step run with the same key whose outputs still exist is reused (state `cached`). Failed
+steps retry with exponential backoff; their descendants are skipped, independent branches finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import cloudpickle
+
+from raypai.artifacts import Artifact, ArtifactStore
+from raypai.dsl import DAG, StepOutput, canonical
+from raypai.errors import PipelineError
+from raypai.settings import Settings
+from raypai.store import MetadataStore
+from raypai.tracking import Tracker
+
+
+@dataclass
+class StepResult:
+    node: str
+    step_run_id: str
+    state: str  # succeeded | cached | failed | skipped
+    outputs: dict = field(default_factory=dict)  # name -> Artifact
+    value: object = None
+    seconds: float = 0.0
+    error: str | None = None
+    traceback: str | None = None
+    metrics: dict = field(default_factory=dict)
+    attempts: int = 1
+
+    def output(self):
+        if self.outputs:
+            return self.outputs.get("output") or next(iter(self.outputs.values()))
+        return self.value
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    pipeline: str
+    state: str
+    steps: dict[str, StepResult]
+    seconds: float
+    mlflow_run_id: str | None
+    result: object = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "succeeded"
+
+    def __getitem__(self, node: str) -> StepResult:
+        return self.steps[node]
+
+
+def tracker_for(settings: Settings) -> Tracker:
+    return Tracker(settings.mlflow_tracking_uri, artifact_root=settings.home / "mlartifacts")
+
+
+def init_ray(settings: Settings) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {**settings.to_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    kwargs = {"namespace": "raypai", "runtime_env": {"env_vars": env}, "log_to_driver": True}
+    if settings.ray_address:
+        ray.init(address=settings.ray_address, **kwargs)
+    else:
+        # Logical CPUs > cores: heavy steps start their own Ray workloads from inside their task
+        # (Train workers + controller, role actors), which must schedule beside the step's task.
+        ray.init(address="local", num_cpus=settings.ray_num_cpus or max(8, os.cpu_count() or 1),
+                 include_dashboard=os.environ.get("RAYPAI_DASHBOARD", "1") == "1", **kwargs)
+
+
+class Runner:
+    def __init__(self, settings: Settings | None = None, progress=None):
+        self.settings = settings or Settings.load()
+        self.progress = progress or _print_progress
+        self.store = MetadataStore(self.settings.database_url)
+        self.artifacts = ArtifactStore(self.settings.artifact_uri, cache_dir=self.settings.home / "cache")
+        self.tracker = tracker_for(self.settings)
+
+    def run(self, dag: DAG, *, origin_run_id: str | None = None, source_file: str | None = None) -> RunResult:
+        import ray
+
+        order = dag.order()
+        init_ray(self.settings)
+        t0 = time.time()
+        run_id = self.store.create_run(dag.pipeline, _jsonable(dag.params), source_file=source_file,
+                                       origin_run_id=origin_run_id)
+        mlflow_parent = self.tracker.start_run(dag.pipeline, f"{dag.pipeline}-{run_id[:8]}",
+                                               tags={"raypai.run_id": run_id})
+        self.tracker.logger(mlflow_parent).log_params(_jsonable(dag.params))
+        self.store.update_run(run_id, mlflow_run_id=mlflow_parent, ray_job_id=_ray_job_id())
+        self.progress({"event": "run_started", "run_id": run_id, "pipeline": dag.pipeline, "steps": order})
+        _register_by_value(dag)
+
+        results: dict[str, StepResult] = {}
+        pending = list(order)
+        running: dict = {}  # ObjectRef -> (node, step_run_id, attempt, started)
+        waiting_retry: list = []  # (ready_at, node, step_run_id, attempt)
+        while pending or running or waiting_retry:
+            for node in list(pending):
+                ups = dag.nodes[node].upstream()
+                if any(results.get(u) and results[u].state in ("failed", "skipped") for u in ups):
+                    pending.remove(node)
+                    results[node] = self._skip(run_id, dag, node)
+                elif all(u in results for u in ups):
+                    pending.remove(node)
+                    launched = self._start(run_id, dag, node, results, mlflow_parent, origin_run_id)
+                    if isinstance(launched, StepResult):
+                        results[node] = launched
+                    else:
+                        running[launched[0]] = (node, launched[1], 0, time.time())
+            now = time.time()
+            for item in [w for w in waiting_retry if w[0] <= now]:
+                waiting_retry.remove(item)
+                _, node, srid, attempt = item
+                ref = self._submit(run_id, dag, node, srid, attempt, results, mlflow_parent)
+                running[ref] = (node, srid, attempt, time.time())
+            if not running:
+                if waiting_retry:
+                    time.sleep(min(max(0.0, min(w[0] for w in waiting_retry) - time.time()), 1.0))
+                continue
+            done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            for ref in done:
+                node, srid, attempt, started = running.pop(ref)
+                out = _get(ref)
+                spec = dag.nodes[node].step
+                if out["state"] == "failed" and attempt < spec.retries:
+                    delay = spec.retry_delay_s * (2 ** attempt)
+                    self.progress({"event": "step_retry", "node": node, "attempt": attempt + 1, "error": out["error"],
+                                   "delay_s": delay})
+                    waiting_retry.append((time.time() + delay, node, srid, attempt + 1))
+                    continue
+                res = StepResult(node, srid, out["state"], {k: Artifact.from_dict(v) for k, v in out["outputs"].items()},
+                                 out.get("value"), time.time() - started, out.get("error"), out.get("traceback"),
+                                 out.get("metrics", {}), attempt + 1)
+                if res.state == "failed":
+                    self.store.transition(srid, "failed", error=res.error, traceback=res.traceback)
+                results[node] = res
+                self.progress({"event": "step_finished", "node": node, "result": res})
+
+        failed = [n for n, r in results.items() if r.state == "failed"]
+        state = "failed" if failed else "succeeded"
+        error = "; ".join(f"{n}: {results[n].error}" for n in failed) or None
+        self.store.update_run(run_id, state=state, error=error)
+        self.tracker.end_run(mlflow_parent, "FAILED" if failed else "FINISHED")
+        rr = RunResult(run_id, dag.pipeline, state, results, time.time() - t0, mlflow_parent,
+                       _resolve(dag.result, results))
+        self.progress({"event": "run_finished", "result": rr})
+        return rr
+
+    # ---- per node --------------------------------------------------------------------------------
+
+    def _inputs(self, dag: DAG, node: str, results: dict) -> dict:
+        return {k: _resolve(v, results) for k, v in dag.nodes[node].args.items()}
+
+    def cache_key(self, dag: DAG, node: str, inputs: dict) -> str:
+        spec = dag.nodes[node].step
+        h = hashlib.sha256()
+        h.update(spec.identity.encode() + b"\0" + spec.source_hash.encode() + b"\0")
+        h.update(canonical({k: _digest_view(v) for k, v in sorted(inputs.items())}).encode())
+        return h.hexdigest()
+
+    def _start(self, run_id, dag, node, results, mlflow_parent, origin_run_id):
+        spec = dag.nodes[node].step
+        inputs = self._inputs(dag, node, results)
+        key = self.cache_key(dag, node, inputs)
+        params = {k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)}
+        srid = self.store.create_step_run(run_id, node, spec.identity, params, key)
+        hit = self._cache_lookup(key, spec.cache or origin_run_id is not None)
+        if hit is not None:
+            src = hit["step_run"]
+            for name, art in hit["outputs"].items():
+                self.store.add_edge(srid, art.id, name, direction="output")
+            for pname, art in _artifacts_in(inputs):
+                self.store.add_edge(srid, art.id, pname, direction="input")
+            value = (src.get("result") or {}).get("value")
+            self.store.transition(srid, "cached", cache_hit=True, cached_from=src["id"], result=src.get("result"),
+                                  metrics=src.get("metrics") or {}, mlflow_run_id=src.get("mlflow_run_id"))
+            res = StepResult(node, srid, "cached", hit["outputs"], value, 0.0, metrics=src.get("metrics") or {})
+            self.progress({"event": "step_finished", "node": node, "result": res})
+            return res
+        ref = self._submit(run_id, dag, node, srid, 0, results, mlflow_parent)
+        self.progress({"event": "step_started", "node": node})
+        return ref, srid
+
+    def _cache_lookup(self, key: str, allowed: bool) -> dict | None:
+        if not allowed:
+            return None
+        hit = self.store.find_cached(key)
+        if hit is None:
+            return None
+        if not all(_present(self.artifacts, a) for a in hit["outputs"].values()):
+            return None  # outputs deleted from the store (or raw sources moved): run again
+        return hit
+
+    def _submit(self, run_id, dag, node, srid, attempt, results, mlflow_parent):
+        import ray
+
+        spec = dag.nodes[node].step
+        inputs = self._inputs(dag, node, results)
+        # SPREAD: on a cluster, concurrent steps go to different nodes rather than packing the head
+        opts = {"num_cpus": spec.cpus, "num_gpus": spec.gpus, "name": f"{dag.pipeline}.{node}", "max_retries": 0,
+                "scheduling_strategy": "SPREAD"}
+        if spec.memory:
+            opts["memory"] = spec.memory
+        if spec.resources:
+            opts["resources"] = spec.resources
+        payload = {"settings": self.settings, "run_id": run_id, "step_run_id": srid, "node": node,
+                   "pipeline": dag.pipeline, "attempt": attempt, "mlflow_parent": mlflow_parent}
+        return _remote_execute().options(**opts).remote(payload, spec, inputs)
+
+    def _skip(self, run_id, dag, node) -> StepResult:
+        spec = dag.nodes[node].step
+        srid = self.store.create_step_run(run_id, node, spec.identity, {}, None)
+        self.store.transition(srid, "skipped", detail="an upstream step failed")
+        res = StepResult(node, srid, "skipped", error="upstream step failed")
+        self.progress({"event": "step_finished", "node": node, "result": res})
+        return res
+
+
+def _execute_step_impl(payload: dict, spec, inputs: dict) -> dict:
+    """Runs inside the Ray task: one attempt of one step run, recorded from start to end."""
+    import ray
+
+    from raypai.context import StepContext
+
+    settings: Settings = payload["settings"]
+    store = MetadataStore(settings.database_url, migrate_schema=False)
+    tracker = tracker_for(settings)
+    srid = payload["step_run_id"]
+    ctx_rt = ray.get_runtime_context()
+    mlflow_run = tracker.start_run(payload["pipeline"], payload["node"], parent_run_id=payload["mlflow_parent"],
+                                   tags={"raypai.step_run_id": srid, "raypai.step": spec.identity})
+    store.transition(srid, "running", attempt=payload["attempt"], mlflow_run_id=mlflow_run,
+                     ray_task_id=ctx_rt.get_task_id(), ray_node_id=ctx_rt.get_node_id())
+    logger = tracker.logger(mlflow_run)
+    ctx = StepContext(settings, payload["run_id"], srid, payload["node"], payload["pipeline"], store,
+                      ArtifactStore(settings.artifact_uri, cache_dir=settings.home / "cache"), tracker, logger,
+                      attempt=payload["attempt"])
+    try:
+        logger.log_params({k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)})
+        for pname, art in _artifacts_in(inputs):
+            store.add_edge(srid, art.id, pname, direction="input")
+            logger.log_dataset(art)
+        kwargs = dict(inputs)
+        if spec.ctx_param:
+            kwargs[spec.ctx_param] = ctx
+        value = spec.fn(**kwargs)
+        outputs, plain = _split_result(spec.name, value)
+        for name, art in outputs.items():
+            store.add_edge(srid, art.id, name, direction="output")
+        result = {"value": plain, "outputs": sorted(outputs)}
+        store.transition(srid, "succeeded", result=result, metrics=ctx.key_metrics)
+        tracker.end_run(mlflow_run, "FINISHED")
+        return {"state": "succeeded", "outputs": {k: a.to_dict() for k, a in outputs.items()}, "value": plain,
+                "metrics": ctx.key_metrics}
+    except BaseException as exc:  # noqa: BLE001 - a step failure is data, reported to the driver
+        tb = traceback.format_exc()
+        msg = f"{type(exc).__name__}: {exc}"
+        store.transition(srid, "failed", error=msg, traceback=tb, detail=f"attempt {payload['attempt']}")
+        try:
+            logger.set_tags({"raypai.error": msg[:4000]})
+            tracker.end_run(mlflow_run, "FAILED")
+        except Exception:  # noqa: BLE001 - tracking must not mask the step's own error
+            pass
+        return {"state": "failed", "outputs": {}, "error": msg, "traceback": tb}
+    finally:
+        ctx.cleanup()
+
+
+def _remote_execute():
+    import ray
+
+    global _EXECUTE
+    if _EXECUTE is None:
+        _EXECUTE = ray.remote(_execute_step_impl)
+    return _EXECUTE
+
+
+_EXECUTE = None
+
+
+def _present(store: ArtifactStore, art: Artifact) -> bool:
+    """Raw sources live outside the store (recorded, not copied): they count while their path exists."""
+    if art.kind == "source" and "://" not in art.uri:
+        from pathlib import Path
+
+        return Path(art.uri).exists()
+    return store.exists(art.uri)
+
+
+def _split_result(step_name: str, value) -> tuple[dict, object]:
+    if isinstance(value, Artifact):
+        return {"output": value}, None
+    if isinstance(value, dict) and value and all(isinstance(v, Artifact) for v in value.values()):
+        return dict(value), None
+    if isinstance(value, dict) and any(isinstance(v, Artifact) for v in value.values()):
+        arts = {k: v for k, v in value.items() if isinstance(v, Artifact)}
+        return arts, _jsonable({k: v for k, v in value.items() if k not in arts})
+    try:
+        canonical(value)
+    except (TypeError, ValueError):
+        raise PipelineError(f"step {step_name!r} returned a {type(value).__name__}, which cannot be recorded; "
+                            "return an Artifact (ctx.save(...)), a dict of Artifacts, or a small JSON-able value")
+    return {}, _jsonable(value)
+
+
+def _resolve(value, results: dict):
+    if isinstance(value, StepOutput):
+        res = results[value.node]
+        if value.key is None:
+            return res.output()
+        if value.key in res.outputs:
+            return res.outputs[value.key]
+        if isinstance(res.value, dict) and value.key in res.value:
+            return res.value[value.key]
+        raise PipelineError(f"step {value.node!r} has no output {value.key!r}; it produced "
+                            f"{sorted(res.outputs) or sorted(res.value or {})}")
+    if isinstance(value, dict):
+        return {k: _resolve(v, results) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_resolve(v, results) for v in value)
+    return value
+
+
+def _digest_view(value):
+    """What of an input enters the cache key: an artifact's digest, a plain value as itself."""
+    if isinstance(value, Artifact):
+        return {"artifact": value.kind, "digest": value.digest}
+    if isinstance(value, dict):
+        return {k: _digest_view(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_digest_view(v) for v in value]
+    return value
+
+
+def _artifacts_in(inputs: dict):
+    for k, v in inputs.items():
+        if isinstance(v, Artifact):
+            yield k, v
+        elif isinstance(v, list | tuple):
+            yield from ((f"{k}[{i}]", a) for i, a in enumerate(v) if isinstance(a, Artifact))
+        elif isinstance(v, dict):
+            yield from ((f"{k}.{n}", a) for n, a in v.items() if isinstance(a, Artifact))
+
+
+def _has_artifact(v) -> bool:
+    return any(True for _ in _artifacts_in({"x": v}))
+
+
+def _jsonable(value):
+    import json
+
+    return json.loads(canonical(value))
+
+
+def _get(ref) -> dict:
+    import ray
+
+    try:
+        return ray.get(ref)
+    except Exception as exc:  # noqa: BLE001 - the worker died (OOM, killed): no structured result
+        return {"state": "failed", "outputs": {}, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                "traceback": str(exc)}
+
+
+def _ray_job_id() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_job_id()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _register_by_value(dag: DAG) -> None:
+    """Steps defined in a file loaded by path are pickled by value so workers need not import it."""
+    for n in dag.nodes.values():
+        mod = sys.modules.get(n.step.fn.__module__)
+        if mod is not None and getattr(mod, "__raypai_by_value__", False):
+            cloudpickle.register_pickle_by_value(mod)
+
+
+def _print_progress(event: dict) -> None:
+    kind = event["event"]
+    if kind == "run_started":
+        print(f"run {event['run_id'][:8]} of {event['pipeline']}: {len(event['steps'])} steps", flush=True)
+    elif kind == "step_started":
+        print(f"  ▶ {event['node']} started", flush=True)
+    elif kind == "step_retry":
+        print(f"  ↻ {event['node']} retry {event['attempt']} in {event['delay_s']:.1f}s: {event['error']}", flush=True)
+    elif kind == "step_finished":
+        r: StepResult = event["result"]
+        extra = f" ({r.error})" if r.error else ""
+        print(f"  {'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} {r.state} in {r.seconds:.1f}s{extra}",
+              flush=True)
+    elif kind == "run_finished":
+        rr: RunResult = event["result"]
+        print(f"run {rr.run_id[:8]} {rr.state} in {rr.seconds:.1f}s", flush=True)

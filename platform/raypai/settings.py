@@ -1,0 +1,121 @@
+"""Runtime settings: environment variables (RAYPAI_ prefix), optional raypai.toml, embedded defaults.
+
+    RAYPAI_HOME=/data/raypai RAYPAI_DATABASE_URL=postgresql+psycopg://... raypai doctor
+
+See DESIGN §2: the same pipeline runs on a laptop (SQLite, local MLflow, local artifact folder)
+and on a cluster (PostgreSQL, MLflow server, s3://) with no code change.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from urllib.parse import urlparse
+
+from raypai.errors import ConfigError
+
+_DB_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg", "postgresql+psycopg2")
+_TRACKING_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg", "http", "https", "file", "databricks")
+_ARTIFACT_SCHEMES = ("", "file", "s3", "gs", "gcs", "hdfs", "abfs", "mock")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings. Build with `Settings.load()`; every field is absolute/explicit after load."""
+
+    home: Path
+    database_url: str
+    mlflow_tracking_uri: str
+    artifact_uri: str
+    ray_address: str | None = None
+    # Logical CPUs given to a local Ray (DESIGN: on 2 cores, Train workers + controller must fit).
+    ray_num_cpus: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, env: dict[str, str] | None = None, toml_path: str | Path | None = None) -> "Settings":
+        env = dict(os.environ if env is None else env)
+        file_values: dict = {}
+        toml_path = toml_path or env.get("RAYPAI_CONFIG") or ("raypai.toml" if Path("raypai.toml").exists() else None)
+        problems: list[str] = []
+        if toml_path:
+            try:
+                file_values = tomllib.loads(Path(toml_path).read_text()).get("raypai", {})
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                problems.append(f"config file {toml_path}: cannot be read ({exc}); fix the TOML or unset RAYPAI_CONFIG")
+
+        def pick(env_key: str, file_key: str, default):
+            return env.get(env_key) or file_values.get(file_key) or default
+
+        home = Path(pick("RAYPAI_HOME", "home", "./.raypai")).expanduser().absolute()
+        database_url = pick("RAYPAI_DATABASE_URL", "database_url", f"sqlite:///{home}/raypai.db")
+        tracking = pick("MLFLOW_TRACKING_URI", "mlflow_tracking_uri", f"sqlite:///{home}/mlflow.db")
+        artifact_uri = pick("RAYPAI_ARTIFACT_URI", "artifact_uri", str(home / "artifacts"))
+        ray_address = pick("RAY_ADDRESS", "ray_address", None)
+        num_cpus_raw = pick("RAYPAI_RAY_NUM_CPUS", "ray_num_cpus", None)
+
+        scheme = database_url.split("://", 1)[0] if "://" in database_url else ""
+        if scheme not in _DB_SCHEMES:
+            problems.append(
+                f"RAYPAI_DATABASE_URL={database_url!r}: unsupported scheme {scheme!r}; use "
+                "sqlite:///path/raypai.db or postgresql+psycopg://user@host:5432/db"
+            )
+        tscheme = tracking.split("://", 1)[0] if "://" in tracking else ""
+        if tscheme not in _TRACKING_SCHEMES:
+            problems.append(
+                f"MLFLOW_TRACKING_URI={tracking!r}: unsupported scheme {tscheme!r}; use "
+                "sqlite:///path/mlflow.db (embedded) or http://host:5000 (MLflow server)"
+            )
+        ascheme = urlparse(artifact_uri).scheme if "://" in artifact_uri else ""
+        if ascheme not in _ARTIFACT_SCHEMES:
+            problems.append(
+                f"RAYPAI_ARTIFACT_URI={artifact_uri!r}: unsupported scheme {ascheme!r}; use a local "
+                "folder or s3://bucket/prefix"
+            )
+        if ascheme == "" and not Path(artifact_uri).is_absolute():
+            artifact_uri = str(Path(artifact_uri).absolute())
+        num_cpus = None
+        if num_cpus_raw is not None:
+            try:
+                num_cpus = int(num_cpus_raw)
+                if num_cpus < 1:
+                    raise ValueError
+            except ValueError:
+                problems.append(f"RAYPAI_RAY_NUM_CPUS={num_cpus_raw!r}: must be a positive integer")
+        if ray_address is not None and not (
+            ray_address == "auto" or "://" in ray_address or ":" in ray_address
+        ):
+            problems.append(
+                f"RAY_ADDRESS={ray_address!r}: expected 'auto', 'host:6379' or 'ray://host:10001'; unset it for a local Ray"
+            )
+        if problems:
+            raise ConfigError(problems, what="raypai settings")
+        return cls(
+            home=home,
+            database_url=database_url,
+            mlflow_tracking_uri=tracking,
+            artifact_uri=artifact_uri,
+            ray_address=ray_address,
+            ray_num_cpus=num_cpus,
+        )
+
+    def with_home(self, home: str | Path) -> "Settings":
+        """Embedded defaults re-rooted at another home (tests use this)."""
+        return Settings.load({"RAYPAI_HOME": str(home)})
+
+    def replace(self, **changes) -> "Settings":
+        return replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """Environment that reproduces these settings in another process (Ray workers, jobs)."""
+        env = {
+            "RAYPAI_HOME": str(self.home),
+            "RAYPAI_DATABASE_URL": self.database_url,
+            "MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
+            "RAYPAI_ARTIFACT_URI": self.artifact_uri,
+        }
+        if self.ray_num_cpus:
+            env["RAYPAI_RAY_NUM_CPUS"] = str(self.ray_num_cpus)
+        return env

@@ -1,0 +1,406 @@
+"""MetadataStore: runs, step runs, artifacts and their edges in SQLite or PostgreSQL.
+
+    store = MetadataStore("sqlite:///.raypai/raypai.db")     # migrates to the latest schema
+    store = MetadataStore("postgresql+psycopg://postgres@127.0.0.1:5432/test")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from raypai.artifacts import Artifact
+from raypai.errors import NotFoundError, StoreError
+from raypai.store import models as m
+
+STATES = ("pending", "running", "succeeded", "failed", "cached", "skipped")
+_MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    name: str
+    scopes: list[str]
+    revoked: bool
+    created_at: object
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    name: str
+    spec: dict
+    state: str
+    history: list
+    created_at: object
+    updated_at: object
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
+    return url
+
+
+def migrate(engine, revision: str = "head") -> None:
+    """Alembic upgrade to `revision`, serialised across processes (advisory lock on PostgreSQL)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(727274)"))
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def current_revision(engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+class MetadataStore:
+    """All metadata reads and writes go through this object (no sessions leak out)."""
+
+    def __init__(self, url: str, *, migrate_schema: bool = True):
+        self.url = url
+        kwargs: dict = {"pool_pre_ping": True}
+        if url.startswith("sqlite"):
+            path = url.split("///", 1)[-1]
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            kwargs["connect_args"] = {"timeout": 60, "check_same_thread": False}
+        else:
+            kwargs["connect_args"] = {"connect_timeout": 10}
+        self.engine = create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            if migrate_schema and current_revision(self.engine) != _head():
+                migrate(self.engine)
+        except OperationalError as exc:
+            raise StoreError(
+                f"cannot reach the metadata database {_redact(url)}: {str(exc.orig).strip().splitlines()[0]}. "
+                "Start the database server or set RAYPAI_DATABASE_URL to a reachable one "
+                "(embedded default: sqlite:///$RAYPAI_HOME/raypai.db)"
+            ) from None
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def __getstate__(self):  # picklable for Ray: reconnect on the other side
+        return {"url": self.url}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], migrate_schema=False)
+
+    @contextmanager
+    def session(self):
+        with self._sessions() as s, s.begin():
+            yield s
+
+    # ---- pipelines and runs ------------------------------------------------------------------
+
+    def create_run(self, pipeline: str, params: dict, *, source_file: str | None = None,
+                   origin_run_id: str | None = None) -> str:
+        run_id = uuid.uuid4().hex
+        for _ in range(5):  # two drivers may create the same pipeline row at once
+            try:
+                with self.session() as s:
+                    p = s.scalar(select(m.Pipeline).where(m.Pipeline.name == pipeline))
+                    if p is None:
+                        p = m.Pipeline(name=pipeline, source_file=source_file)
+                        s.add(p)
+                        s.flush()
+                    elif source_file:
+                        p.source_file = source_file
+                    s.add(m.PipelineRun(id=run_id, pipeline_id=p.id, state="running", params=params,
+                                        origin_run_id=origin_run_id))
+                return run_id
+            except IntegrityError:
+                continue
+        raise StoreError(f"could not create a run of pipeline {pipeline!r}: concurrent writers kept conflicting")
+
+    def update_run(self, run_id: str, **fields) -> None:
+        with self.session() as s:
+            run = s.get(m.PipelineRun, run_id)
+            if run is None:
+                raise NotFoundError(f"run {run_id} not found; list runs with `raypai runs`")
+            for k, v in fields.items():
+                setattr(run, k, v)
+            if fields.get("state") in ("succeeded", "failed"):
+                run.finished_at = m.utcnow()
+
+    def get_run(self, run_id: str) -> dict:
+        with self.session() as s:
+            q = select(m.PipelineRun, m.Pipeline.name).join(m.Pipeline)
+            row = s.execute(q.where(m.PipelineRun.id == run_id)).first()
+            if row is None:
+                row = s.execute(q.where(m.PipelineRun.id.like(f"{run_id}%"))).first()
+            if row is None:
+                raise NotFoundError(f"run {run_id!r} not found; list runs with `raypai runs`")
+            return _run_dict(*row)
+
+    def pipeline_source(self, pipeline: str) -> str | None:
+        with self.session() as s:
+            return s.scalar(select(m.Pipeline.source_file).where(m.Pipeline.name == pipeline))
+
+    def list_runs(self, limit: int = 20, pipeline: str | None = None) -> list[dict]:
+        with self.session() as s:
+            q = select(m.PipelineRun, m.Pipeline.name).join(m.Pipeline)
+            if pipeline:
+                q = q.where(m.Pipeline.name == pipeline)
+            q = q.order_by(m.PipelineRun.started_at.desc()).limit(limit)
+            return [_run_dict(*r) for r in s.execute(q).all()]
+
+    # ---- step runs -----------------------------------------------------------------------------
+
+    def create_step_run(self, run_id: str, node: str, step_name: str, params: dict, cache_key: str | None) -> str:
+        sid = uuid.uuid4().hex
+        with self.session() as s:
+            s.add(m.StepRun(id=sid, run_id=run_id, node=node, step_name=step_name, params=params,
+                            cache_key=cache_key, state="pending"))
+            s.flush()
+            s.add(m.StepRunEvent(step_run_id=sid, state="pending"))
+        return sid
+
+    def transition(self, step_run_id: str, state: str, *, detail: str | None = None, **fields) -> None:
+        """Move a step run to `state`, recording the event and any fields (error, traceback, ...)."""
+        if state not in STATES:
+            raise StoreError(f"unknown step state {state!r}; one of {STATES}")
+        with self.session() as s:
+            sr = s.get(m.StepRun, step_run_id)
+            if sr is None:
+                raise NotFoundError(f"step run {step_run_id} not found")
+            sr.state = state
+            now = m.utcnow()
+            if state == "running":
+                sr.started_at = now
+            if state in ("succeeded", "failed", "cached", "skipped"):
+                sr.finished_at = now
+                sr.started_at = sr.started_at or now
+            for k, v in fields.items():
+                setattr(sr, k, v)
+            s.add(m.StepRunEvent(step_run_id=step_run_id, state=state, at=now, detail=detail))
+
+    def step_runs(self, run_id: str) -> list[dict]:
+        with self.session() as s:
+            rows = s.scalars(select(m.StepRun).where(m.StepRun.run_id == run_id).order_by(m.StepRun.started_at))
+            return [_step_dict(r) for r in rows]
+
+    def get_step_run(self, step_run_id: str) -> dict:
+        with self.session() as s:
+            r = s.get(m.StepRun, step_run_id)
+            if r is None:
+                raise NotFoundError(f"step run {step_run_id} not found")
+            return _step_dict(r)
+
+    def step_events(self, step_run_id: str) -> list[tuple[str, object]]:
+        with self.session() as s:
+            q = select(m.StepRunEvent).where(m.StepRunEvent.step_run_id == step_run_id).order_by(m.StepRunEvent.id)
+            return [(e.state, e.at) for e in s.scalars(q)]
+
+    def find_cached(self, cache_key: str) -> dict | None:
+        """Latest succeeded step run with this key: {'step_run': ..., 'outputs': {name: Artifact}}."""
+        with self.session() as s:
+            q = (select(m.StepRun).where(m.StepRun.cache_key == cache_key, m.StepRun.state == "succeeded")
+                 .order_by(m.StepRun.finished_at.desc()).limit(1))
+            sr = s.scalar(q)
+            if sr is None:
+                return None
+            return {"step_run": _step_dict(sr), "outputs": self._edges(s, m.StepOutput, sr.id)}
+
+    # ---- artifacts and edges -------------------------------------------------------------------
+
+    def record_artifact(self, art: Artifact, producer_step_run_id: str | None = None) -> Artifact:
+        with self.session() as s:
+            s.add(m.ArtifactRow(id=art.id, kind=art.kind, name=art.name, uri=art.uri, digest=art.digest,
+                                size_bytes=art.size_bytes, meta=art.metadata,
+                                producer_step_run_id=producer_step_run_id or art.producer_step_run_id))
+        return Artifact(**{**art.to_dict(), "producer_step_run_id": producer_step_run_id or art.producer_step_run_id})
+
+    def add_edge(self, step_run_id: str, artifact_id: str, name: str, *, direction: str) -> None:
+        table = {"input": m.StepInput, "output": m.StepOutput}[direction]
+        with self.session() as s:
+            if s.get(table, (step_run_id, artifact_id, name)) is None:
+                s.add(table(step_run_id=step_run_id, artifact_id=artifact_id, name=name))
+
+    def get_artifact(self, ref: str) -> Artifact:
+        """By id, id prefix, or digest prefix (newest first)."""
+        with self.session() as s:
+            row = s.get(m.ArtifactRow, ref)
+            if row is None and len(ref) >= 6:
+                q = select(m.ArtifactRow).where((m.ArtifactRow.id.like(f"{ref}%")) | (m.ArtifactRow.digest.like(f"{ref}%")))
+                row = s.scalar(q.order_by(m.ArtifactRow.created_at.desc()).limit(1))
+            if row is None:
+                raise NotFoundError(f"artifact {ref!r} not found; list them with `raypai artifacts`")
+            return _artifact(row)
+
+    def list_artifacts(self, kind: str | None = None, limit: int = 50) -> list[Artifact]:
+        with self.session() as s:
+            q = select(m.ArtifactRow)
+            if kind:
+                q = q.where(m.ArtifactRow.kind == kind)
+            return [_artifact(r) for r in s.scalars(q.order_by(m.ArtifactRow.created_at.desc()).limit(limit))]
+
+    def count_artifacts(self) -> int:
+        with self.session() as s:
+            return s.scalar(select(func.count()).select_from(m.ArtifactRow))
+
+    def inputs_of(self, step_run_id: str) -> dict[str, Artifact]:
+        with self.session() as s:
+            return self._edges(s, m.StepInput, step_run_id)
+
+    def outputs_of(self, step_run_id: str) -> dict[str, Artifact]:
+        with self.session() as s:
+            return self._edges(s, m.StepOutput, step_run_id)
+
+    def consumers_of(self, artifact_id: str) -> list[str]:
+        with self.session() as s:
+            return list(s.scalars(select(m.StepInput.step_run_id).where(m.StepInput.artifact_id == artifact_id)))
+
+    @staticmethod
+    def _edges(s: Session, table, step_run_id: str) -> dict[str, Artifact]:
+        q = select(table.name, m.ArtifactRow).join(m.ArtifactRow, m.ArtifactRow.id == table.artifact_id)
+        return {name: _artifact(row) for name, row in s.execute(q.where(table.step_run_id == step_run_id)).all()}
+
+    # ---- data-cleaning op stats ----------------------------------------------------------------
+
+    def record_op_stats(self, step_run_id: str | None, artifact_id: str | None, rows: list[dict]) -> None:
+        with self.session() as s:
+            for i, r in enumerate(rows):
+                known = {"op_name", "op_index", "rows_in", "rows_out", "dropped", "seconds"}
+                s.add(m.OpStat(step_run_id=step_run_id, artifact_id=artifact_id, op_index=r.get("op_index", i),
+                               op_name=r["op_name"], rows_in=r["rows_in"], rows_out=r["rows_out"],
+                               dropped=r.get("dropped", r["rows_in"] - r["rows_out"]),
+                               seconds=float(r.get("seconds", 0.0)),
+                               extra={k: v for k, v in r.items() if k not in known}))
+
+    def op_stats(self, *, step_run_id: str | None = None, artifact_id: str | None = None) -> list[dict]:
+        with self.session() as s:
+            q = select(m.OpStat)
+            if step_run_id:
+                q = q.where(m.OpStat.step_run_id == step_run_id)
+            if artifact_id:
+                q = q.where(m.OpStat.artifact_id == artifact_id)
+            return [{"op_index": r.op_index, "op_name": r.op_name, "rows_in": r.rows_in, "rows_out": r.rows_out,
+                     "dropped": r.dropped, "seconds": r.seconds, **r.extra}
+                    for r in s.scalars(q.order_by(m.OpStat.op_index))]
+
+    # ---- API tokens (stored as sha256; the plaintext is shown once) ------------------------------
+
+    def create_token(self, name: str, scopes: list[str]) -> str:
+        token = "rp_" + secrets.token_urlsafe(32)
+        try:
+            with self.session() as s:
+                s.add(m.ApiToken(name=name, token_hash=_sha(token), scopes=sorted(set(scopes))))
+        except IntegrityError:
+            raise StoreError(f"a token named {name!r} already exists; pick another name or revoke it first") from None
+        return token
+
+    def lookup_token(self, token: str) -> TokenRecord | None:
+        with self.session() as s:
+            row = s.scalar(select(m.ApiToken).where(m.ApiToken.token_hash == _sha(token)))
+            if row is None:
+                return None
+            row.last_used_at = m.utcnow()
+            return TokenRecord(row.name, list(row.scopes), row.revoked_at is not None, row.created_at)
+
+    def list_tokens(self) -> list[TokenRecord]:
+        with self.session() as s:
+            return [TokenRecord(r.name, list(r.scopes), r.revoked_at is not None, r.created_at)
+                    for r in s.scalars(select(m.ApiToken).order_by(m.ApiToken.id))]
+
+    def revoke_token(self, name: str) -> None:
+        with self.session() as s:
+            row = s.scalar(select(m.ApiToken).where(m.ApiToken.name == name))
+            if row is None:
+                raise NotFoundError(f"no token named {name!r}; see `raypai token list`")
+            row.revoked_at = m.utcnow()
+
+    # ---- deployments (desired state; serving owns the spec's schema) -----------------------------
+
+    def save_deployment(self, name: str, spec: dict, state: str) -> DeploymentRecord:
+        with self.session() as s:
+            row = s.get(m.Deployment, name)
+            now = m.utcnow()
+            entry = {"at": now.isoformat(), "state": state, "spec": spec}
+            if row is None:
+                row = m.Deployment(name=name, spec=spec, state=state, history=[entry], created_at=now, updated_at=now)
+                s.add(row)
+            else:
+                row.spec, row.state, row.updated_at = spec, state, now
+                row.history = [*row.history, entry][-50:]
+            return _deployment(row)
+
+    def get_deployment(self, name: str) -> DeploymentRecord | None:
+        with self.session() as s:
+            row = s.get(m.Deployment, name)
+            return _deployment(row) if row else None
+
+    def list_deployments(self) -> list[DeploymentRecord]:
+        with self.session() as s:
+            return [_deployment(r) for r in s.scalars(select(m.Deployment).order_by(m.Deployment.name))]
+
+    def delete_deployment(self, name: str) -> bool:
+        with self.session() as s:
+            row = s.get(m.Deployment, name)
+            if row is None:
+                return False
+            s.delete(row)
+            return True
+
+
+def _head() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    return ScriptDirectory.from_config(cfg).get_current_head()
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers don't block the writer
+    cur.execute("PRAGMA busy_timeout=60000")  # concurrent Ray tasks wait instead of failing
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _artifact(r: m.ArtifactRow) -> Artifact:
+    return Artifact(r.id, r.kind, r.name, r.uri, r.digest, r.size_bytes, dict(r.meta or {}), r.producer_step_run_id)
+
+
+def _deployment(r: m.Deployment) -> DeploymentRecord:
+    return DeploymentRecord(r.name, dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at)
+
+
+def _run_dict(r: m.PipelineRun, pipeline: str) -> dict:
+    return {"id": r.id, "pipeline": pipeline, "state": r.state, "params": r.params, "origin_run_id": r.origin_run_id,
+            "mlflow_run_id": r.mlflow_run_id, "ray_job_id": r.ray_job_id, "error": r.error,
+            "started_at": r.started_at, "finished_at": r.finished_at}
+
+
+def _step_dict(r: m.StepRun) -> dict:
+    return {c: getattr(r, c) for c in ("id", "run_id", "node", "step_name", "state", "params", "cache_key",
+                                       "cache_hit", "cached_from", "attempt", "mlflow_run_id", "ray_task_id",
+                                       "ray_node_id", "error", "traceback", "result", "metrics",
+                                       "started_at", "finished_at")}

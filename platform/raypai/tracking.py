@@ -1,0 +1,250 @@
+"""MLflow behind two small objects: `Tracker` (experiments, runs, registry) and `RunLogger`
+(a picklable handle on one run, safe to pass into Ray actors and Train workers).
+
+    tracker = Tracker("sqlite:///.raypai/mlflow.db", artifact_root=".raypai/mlartifacts")
+    run_id = tracker.start_run("tinychat", "run-1")
+    RunLogger(tracker.uri, run_id).log_metrics({"loss": 2.1}, step=10)
+    version = tracker.register_model("out/model", "tinychat", run_id=run_id, alias="champion")
+
+No fluent `mlflow.start_run()` globals anywhere: every call names its run (STYLE.md point 11).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from raypai.artifacts import Artifact
+from raypai.errors import NotFoundError, StoreError
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///"):  # MLflow creates the database file, not its folder
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+class RunLogger:
+    """Logs to one MLflow run. Picklable: holds only the tracking URI and the run id."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.tracking_uri = tracking_uri
+        self.run_id = run_id
+        self._c = None
+
+    def __getstate__(self):
+        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id}
+
+    def __setstate__(self, state):
+        self.__init__(state["tracking_uri"], state["run_id"])
+
+    @property
+    def client(self):
+        if self._c is None:
+            self._c = _client(self.tracking_uri)
+        return self._c
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(_key(k), float(v), ts, int(step or 0)) for k, v in metrics.items() if _is_number(v)]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        flat = _flatten(params)
+        items = [Param(_key(k), str(v)[:6000]) for k, v in flat.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+
+    def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+
+    def log_dataset(self, artifact: Artifact, context: str = "input") -> None:
+        """Record an artifact as an MLflow dataset input carrying raypai's own digest."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        ds = Dataset(name=artifact.name, digest=artifact.digest[:36], source_type="raypai",
+                     source=artifact.uri, schema=None, profile=None)
+        tags = [InputTag("mlflow.data.context", context), InputTag("raypai.artifact_id", artifact.id),
+                InputTag("raypai.kind", artifact.kind)]
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(ds, tags)])
+
+
+class Tracker:
+    """Experiments, runs and the model registry of one MLflow tracking URI."""
+
+    def __init__(self, tracking_uri: str, artifact_root: str | Path | None = None):
+        self.uri = tracking_uri
+        self.artifact_root = str(artifact_root) if artifact_root else None
+        self._c = None
+
+    def __getstate__(self):
+        return {"uri": self.uri, "artifact_root": self.artifact_root}
+
+    def __setstate__(self, state):
+        self.__init__(state["uri"], state["artifact_root"])
+
+    @property
+    def client(self):
+        if self._c is None:
+            try:
+                self._c = _client(self.uri)
+            except Exception as exc:  # noqa: BLE001 - MLflow raises many types for a bad URI
+                raise StoreError(f"MLflow at {self.uri} cannot be used ({exc}); check MLFLOW_TRACKING_URI") from exc
+        return self._c
+
+    def experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = None
+        if self.artifact_root and not self.uri.startswith("http"):
+            location = f"{self.artifact_root.rstrip('/')}/{name}"
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except Exception:  # noqa: BLE001 - lost a creation race
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def start_run(self, experiment: str, run_name: str, *, parent_run_id: str | None = None,
+                  tags: dict | None = None) -> str:
+        all_tags = {"mlflow.runName": run_name, **(tags or {})}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id(experiment), run_name=run_name,
+                                     tags={k: str(v) for k, v in all_tags.items()})
+        return run.info.run_id
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def logger(self, run_id: str) -> RunLogger:
+        return RunLogger(self.uri, run_id)
+
+    def get_run(self, run_id: str):
+        return self.client.get_run(run_id)
+
+    def child_runs(self, parent_run_id: str) -> list:
+        parent = self.client.get_run(parent_run_id)
+        return self.client.search_runs([parent.info.experiment_id],
+                                       filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+
+    # ---- model registry ------------------------------------------------------------------------
+
+    def register_model(self, model_dir: str | Path, name: str, *, run_id: str | None = None,
+                       tags: dict | None = None, alias: str | None = None) -> int:
+        """Upload an HF model folder under the run's `model/` and create a registry version."""
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").exists():
+            raise StoreError(f"{model_dir} is not a Hugging Face model folder (no config.json); export the model first")
+        if run_id is None:
+            run_id = self.start_run("raypai-models", f"register-{name}")
+            self.end_run(run_id)
+        self.client.log_artifacts(run_id, str(model_dir), "model")
+        source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
+        try:
+            self.client.get_registered_model(name)
+        except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
+            try:
+                self.client.create_registered_model(name)
+            except Exception:  # noqa: BLE001 - created concurrently
+                pass
+        mv = self.client.create_model_version(name, source, run_id=run_id,
+                                              tags={k: str(v) for k, v in (tags or {}).items()})
+        version = int(mv.version)
+        if alias:
+            self.client.set_registered_model_alias(name, alias, str(version))
+        return version
+
+    def set_alias(self, name: str, alias: str, version: int) -> None:
+        self.client.set_registered_model_alias(name, alias, str(version))
+
+    def resolve_model(self, name: str, ref: str | int) -> tuple[int, dict]:
+        """(version, tags) of `name` at an alias ("champion") or a version number."""
+        ref = str(ref)
+        try:
+            mv = (self.client.get_model_version(name, ref) if ref.isdigit()
+                  else self.client.get_model_version_by_alias(name, ref))
+        except Exception as exc:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST and friends
+            raise NotFoundError(
+                f"model {name!r} has no version or alias {ref!r} in the MLflow registry at {self.uri}; "
+                "register it first (a pipeline's register/pretrain step) or pick an existing version"
+            ) from exc
+        return int(mv.version), dict(mv.tags or {})
+
+    def model_source(self, name: str, ref: str | int) -> str:
+        version, _ = self.resolve_model(name, ref)
+        return self.client.get_model_version(name, str(version)).source
+
+    def download_model(self, name: str, ref: str | int, cache_dir: str | Path | None = None) -> Path:
+        """Local HF folder of a registered model version (cached per registry, name, version and source)."""
+        import mlflow.artifacts
+
+        version, _ = self.resolve_model(name, ref)
+        source = self.client.get_model_version(name, str(version)).source
+        if cache_dir is None:
+            from raypai.settings import Settings
+
+            cache_dir = Settings.load().home / "cache" / "models"
+        # The key names the registry and the version's source, not just name/version: an embedded
+        # registry and an MLflow server used under one RAYPAI_HOME both have a `tinychat` version 1,
+        # and a re-created model restarts at 1; either would otherwise serve the other's weights.
+        key = hashlib.sha256(f"{self.uri}\0{source}".encode()).hexdigest()[:12]
+        target = Path(cache_dir) / name / f"{version}-{key}"
+        if (target / "config.json").exists():
+            return target
+        tmp = target.parent / f".{version}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp),
+                                                         tracking_uri=self.uri))
+        try:
+            local.rename(target)
+        except OSError:
+            pass  # a concurrent download won; identical content
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+
+def _is_number(v) -> bool:
+    try:
+        float(v)
+        return not isinstance(v, bool | str)
+    except (TypeError, ValueError):
+        return False
+
+
+def _key(k: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "_-. /" else "_" for ch in str(k))[:250]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

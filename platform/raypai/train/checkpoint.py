@@ -1,0 +1,221 @@
+"""Checkpoints of the full training state, saved through `ray.train.report` into the run's storage.
+
+A checkpoint folder holds DeepSpeed's files (`state/`: module weights, this rank's ZeRO optimizer
+partition, lr scheduler), one `rng-rank{r}.pt` per worker and `data_position.json` (the next
+optimizer step; with `data.BlockOrder` that step fixes every block each worker reads next).
+
+Two ways to save (`PretrainConfig.async_checkpoint`):
+- synchronous (`save`): serialize into `/dev/shm`, upload to storage, then continue training;
+- asynchronous (`AsyncCheckpointer`), after CheckFreq (Mohan et al. 2021, FAST '21 §4.2) and
+  EasyCkpt: the loop only *snapshots* the state (tensor copies in memory); a background thread
+  serializes it, and once every worker's write is done the checkpoint is reported with Ray Train's
+  background upload (`CheckpointUploadMode.ASYNC`) to durable storage (local, NFS or `s3://`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from raypai.errors import TrainError
+
+DATA_POSITION = "data_position.json"
+TAG = "state"
+
+
+def _rng_state() -> dict:
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng(state: dict) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def dir_name(next_step: int) -> str:
+    """Checkpoint folders are named by the step they resume at: `checkpoint_000016`."""
+    return f"checkpoint_{next_step:06d}"
+
+
+def _new_folder() -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Path(tempfile.mkdtemp(prefix="raypai-ckpt-", dir=base))
+
+
+def _write_small_files(folder: Path, *, next_step: int, rank: int) -> None:
+    import torch
+
+    torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
+    (folder / DATA_POSITION).write_text(json.dumps({"next_step": next_step}))
+
+
+def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False) -> Path:
+    """Write this worker's share of the training state into a fresh folder in memory (`/dev/shm`
+    where it exists). `with_hf`: rank 0 also writes the model as a Hugging Face folder in `hf/`."""
+    folder = _new_folder()
+    engine.save_checkpoint(str(folder), tag=TAG)
+    _write_small_files(folder, next_step=next_step, rank=rank)
+    if with_hf and rank == 0:
+        engine.module.save_pretrained(folder / "hf", safe_serialization=True)
+    return folder
+
+
+def _report(folder: Path, metrics: dict, next_step: int, *, upload_async: bool) -> None:
+    import ray.train
+
+    mode = ray.train.CheckpointUploadMode.ASYNC if upload_async else ray.train.CheckpointUploadMode.SYNC
+    ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+                     checkpoint_dir_name=dir_name(next_step), checkpoint_upload_mode=mode,
+                     delete_local_checkpoint_after_upload=True)
+
+
+def save(engine, metrics: dict, *, next_step: int, rank: int, final: bool = False) -> float:
+    """Synchronous: serialize, upload and report a checkpoint; returns the seconds the loop stalled.
+    `final` also writes the Hugging Face export (rank 0)."""
+    t0 = time.perf_counter()
+    _report(snapshot(engine, next_step=next_step, rank=rank, with_hf=final), metrics, next_step, upload_async=False)
+    return time.perf_counter() - t0
+
+
+class _MemorySnapshotEngine:
+    """Stands in for DeepSpeed's checkpoint engine during `save_checkpoint`: instead of writing each
+    state dict it keeps a private copy of its tensors (DeepSpeed's own `clone_tensors_for_torch_save`),
+    so training may change the originals while a thread writes the copies."""
+
+    def __init__(self, real):
+        self.real, self.items = real, []
+
+    def __getattr__(self, name):  # makedirs, create, commit, is_decoupled, ... as the real engine
+        return getattr(self.real, name)
+
+    def save(self, state_dict, path: str) -> None:
+        from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+        self.items.append((path, clone_tensors_for_torch_save(state_dict)))
+
+
+class AsyncCheckpointer:
+    """Snapshot now, write in a background thread, report when every worker's write is done.
+
+    All workers call `save` at the same steps and `poll` every step (a one-number all-reduce while
+    a write is pending), so they report the same checkpoint at the same step, as Ray Train requires.
+    A new `save` or `flush` first waits for the previous write (back-pressure: at most one
+    snapshot is held in memory)."""
+
+    def __init__(self, engine, rank: int):
+        self.engine, self.rank = engine, rank
+        self._thread: threading.Thread | None = None
+        self._pending: tuple[Path, dict, int] | None = None
+        self._error: BaseException | None = None
+
+    def save(self, metrics: dict, *, next_step: int) -> float:
+        """Take the snapshot and start writing it; returns the seconds the loop was stalled."""
+        t0 = time.perf_counter()
+        self.flush()
+        folder = _new_folder()
+        real = self.engine.checkpoint_engine
+        self.engine.checkpoint_engine = snap = _MemorySnapshotEngine(real)
+        try:
+            self.engine.save_checkpoint(str(folder), tag=TAG)
+        finally:
+            self.engine.checkpoint_engine = real
+        _write_small_files(folder, next_step=next_step, rank=self.rank)
+        self._thread = threading.Thread(target=self._write, args=(snap.items,), name="raypai-ckpt-writer", daemon=True)
+        self._thread.start()
+        self._pending = (folder, dict(metrics), next_step)
+        return time.perf_counter() - t0
+
+    def _write(self, items: list) -> None:
+        import torch
+
+        try:
+            for path, state in items:
+                torch.save(state, path)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread in _report_pending
+            self._error = exc
+
+    def poll(self) -> float:
+        """Report the pending checkpoint if every worker finished writing it; returns seconds spent."""
+        if self._pending is None:
+            return 0.0
+        import torch
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        done = torch.tensor([0.0 if self._thread.is_alive() else 1.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 1.0:
+            self._report_pending()
+        return time.perf_counter() - t0
+
+    def flush(self) -> float:
+        """Wait for the pending write and report it (before the next snapshot and at the end)."""
+        t0 = time.perf_counter()
+        if self._pending is not None:
+            self._thread.join()
+            self._report_pending()
+        return time.perf_counter() - t0
+
+    def _report_pending(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise TrainError(f"writing checkpoint {self._pending[0]} failed: {self._error}") from self._error
+        folder, metrics, next_step = self._pending
+        self._pending = None
+        _report(folder, metrics, next_step, upload_async=True)
+
+
+def restore(engine, checkpoint, rank: int) -> int:
+    """Load the state of `checkpoint` (a `ray.train.Checkpoint`) into `engine`; return the next step."""
+    import torch
+
+    with checkpoint.as_directory() as d:
+        d = Path(d)
+        if not (d / DATA_POSITION).exists():
+            raise TrainError(f"checkpoint {checkpoint.path} has no {DATA_POSITION}; it was not written by raypai")
+        engine.load_checkpoint(str(d), tag=TAG)
+        next_step = json.loads((d / DATA_POSITION).read_text())["next_step"]
+        rng_file = d / f"rng-rank{rank}.pt"
+        if rng_file.exists():  # absent when the worker count changed: keep the fresh seed
+            _set_rng(torch.load(rng_file, weights_only=False))
+    return next_step
+
+
+def checkpoint_from_path(path: str | Path):
+    """A `ray.train.Checkpoint` for an earlier run's checkpoint folder (`PretrainConfig.resume_from`)."""
+    import ray.train
+
+    if not (Path(path) / DATA_POSITION).exists():
+        raise TrainError(f"resume_from={path}: no raypai checkpoint there (no {DATA_POSITION}); pass a "
+                         "checkpoint_* folder of an earlier run (see `latest_checkpoint`), or leave resume_from empty")
+    return ray.train.Checkpoint.from_directory(str(path))
+
+
+def latest_checkpoint(storage_path: str | Path, name: str) -> Path | None:
+    """The newest complete checkpoint folder of run `name` under `storage_path`, or None."""
+    run_dir = Path(storage_path) / name
+    found = [(json.loads((p / DATA_POSITION).read_text())["next_step"], p)
+             for p in run_dir.glob("checkpoint_*") if (p / DATA_POSITION).exists()]
+    return max(found)[1] if found else None
+
+
+def is_registered(run_dir: str | Path, next_step: int) -> bool:
+    """Whether Ray Train's controller has recorded the checkpoint resuming at `next_step` (it is
+    then what a restart loads). Reads the controller's snapshot file in the run folder."""
+    snap = Path(run_dir) / "checkpoint_manager_snapshot.json"
+    try:
+        return dir_name(next_step) in snap.read_text()
+    except OSError:
+        return False

@@ -1,0 +1,61 @@
+"""Model construction, parameter count and FLOPs per token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raypai.errors import TrainError
+from raypai.train.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None):
+    """A `LlamaForCausalLM` from the config, or the checkpoint at `cfg.init_from`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if cfg.init_from:
+        path = Path(cfg.init_from)
+        if not (path / "config.json").exists():
+            raise TrainError(f"model.init_from={cfg.init_from}: not a Hugging Face model folder (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(path)
+        if model.config.vocab_size != vocab_size:
+            raise TrainError(f"vocab mismatch: model at {path} has vocab_size {model.config.vocab_size} but the "
+                             f"tokenizer has {vocab_size}; use the tokenizer the model was trained with")
+        return model
+    hf = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                     max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
+                     pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
+    return LlamaForCausalLM(hf)
+
+
+def param_count(model) -> int:
+    """Distinct parameters (a tied embedding/head matrix counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(n_params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N; Kaplan et al.
+    2020 §2.1) plus 12·L·H·T for attention scores and values over a T-token context (Chowdhery et
+    al. 2022, PaLM App. B, with H = heads × head size). N counts the tied embedding once, which is
+    the output-head matmul; the input lookup costs no FLOPs."""
+    return 6.0 * n_params + 12.0 * layers * hidden * seq_len
+
+
+def measure_peak_flops(seconds: float = 0.3, size: int = 1024, trials: int = 5) -> float:
+    """FLOP/s this process reaches on an fp32 (size × size) matmul with its current torch thread
+    count: the MFU denominator when none is configured. The best of `trials` short timings, so
+    that other processes on a shared machine lower the estimate as little as possible."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(trials):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / trials:
+            torch.mm(a, b)
+            n += 1
+        best = max(best, 2 * size**3 * n / (time.perf_counter() - t0))
+    return best

@@ -1,0 +1,126 @@
+"""Driver side of pretraining: validate, plan the strategy, run Ray Train's TorchTrainer, export.
+
+    from raypai.train import pretrain, PretrainConfig
+    result = pretrain("shards/", "tokenizer/", "out/model", PretrainConfig(steps=200), name="run-1",
+                      storage_path=".raypai/train")
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from raypai.errors import TrainError
+from raypai.train import checkpoint, strategy
+from raypai.train.config import PretrainConfig
+from raypai.train.data import load_blocks, read_manifest
+from raypai.train.export import export_model
+from raypai.train.loop import train_loop
+from raypai.train.model import build_model, flops_per_token, param_count
+
+
+def _tokenizer_info(tokenizer_dir: str | Path | None) -> tuple[int | None, int | None]:
+    if not tokenizer_dir:
+        return None, None
+    from transformers import PreTrainedTokenizerFast
+
+    if not Path(tokenizer_dir, "tokenizer.json").exists():
+        raise TrainError(f"tokenizer_dir={tokenizer_dir} holds no tokenizer.json; pass the tokenizer artifact folder")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    return len(tok), tok.pad_token_id
+
+
+def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path | None = None):
+    """Check config, data, tokenizer and memory before any worker starts; return (config, plan).
+    With `strategy="auto"` the returned config carries the chosen ZeRO stage and batch split."""
+    cfg = cfg.validate()
+    manifest = read_manifest(shards_dir)
+    vocab, seq_len = manifest["vocab_size"], manifest["block_size"]
+    tok_vocab, pad_id = _tokenizer_info(tokenizer_dir)
+    if tok_vocab is not None and tok_vocab != vocab:
+        raise TrainError(f"vocab mismatch: token shards {shards_dir} were made with a {vocab}-token vocabulary but "
+                         f"the tokenizer in {tokenizer_dir} has {tok_vocab}; re-tokenize with this tokenizer")
+    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+        raise TrainError(f"vocab mismatch: model.vocab_size={cfg.model.vocab_size} but the token shards use {vocab}; "
+                         "leave model.vocab_size at 0 to take it from the token shards")
+    if seq_len > cfg.model.max_positions:
+        raise TrainError(f"blocks of {seq_len} tokens exceed model.max_positions={cfg.model.max_positions}; "
+                         "raise model.max_positions or tokenize with a smaller block_size")
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    model = build_model(cfg.model, vocab)
+    n_params = param_count(model)
+    hf = model.config  # the real shape, also when the model comes from init_from
+    if cfg.strategy == "auto":
+        cfg, est = strategy.choose(n_params, cfg, seq_len)
+        print(f"[raypai.train] strategy=auto chose ZeRO-{cfg.zero_stage}, micro-batch {cfg.micro_batch}, "
+              f"accumulation {cfg.grad_accum}: {est.describe()}", flush=True)
+    else:
+        est = strategy.check_fits(n_params, cfg, seq_len)
+    info = {"n_params": n_params, "seq_len": seq_len, "vocab_size": vocab, "pad_id": pad_id,
+            "eos_id": manifest.get("eos_id"), "train_blocks": manifest["_train_blocks"],
+            "eval_blocks": manifest["_eval_blocks"],
+            "flops_per_token": flops_per_token(n_params, hf.num_hidden_layers, hf.hidden_size, seq_len),
+            "memory_estimate_gb": round(est.total_gb, 4), "memory": est.as_dict(), "zero_stage": cfg.zero_stage,
+            "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch,
+            "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
+            "tokenizer_digest": manifest.get("tokenizer_digest")}
+    return cfg, info
+
+
+def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: str | Path, cfg: PretrainConfig, *,
+             name: str, storage_path: str | Path, logger=None, resume: bool = True, lineage: dict | None = None) -> dict:
+    """Train on the running Ray cluster and export the final model as an HF folder in `out_dir`.
+
+    A second call with the same `name` and `storage_path` (a restarted driver) continues from the
+    run's latest checkpoint; `resume=False` starts over. `logger`: any picklable object with
+    `log_metrics(dict, step=)` and `log_params(dict)` (raypai's `RunLogger`), used on rank 0.
+    Returns {"metrics", "info", "config", "seconds", "checkpoint_path"}.
+    """
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    cfg, info = plan(shards_dir, cfg, tokenizer_dir)
+    resume_ckpt = checkpoint.checkpoint_from_path(cfg.resume_from) if cfg.resume_from else None
+    run_dir = Path(storage_path) / name
+    if not resume and run_dir.exists():
+        shutil.rmtree(run_dir)
+    if logger is not None:
+        logger.log_params({"pretrain": cfg.to_dict(), "plan": info})
+    print(f"[raypai.train] {name}: {info['n_params'] / 1e6:.2f}M params, ZeRO-{cfg.zero_stage}, {cfg.workers} workers "
+          f"× micro-batch {cfg.micro_batch} × accum {cfg.grad_accum}, {cfg.steps} steps; "
+          f"est. {info['memory_estimate_gb']:.3f} GB/worker", flush=True)
+    t0 = time.time()
+    # Blocks go once into the shared-memory object store; every worker on a node maps the same copy.
+    train_ref = ray.put(load_blocks(shards_dir, "train"))  # (block ids, tokens)
+    eval_ref = ray.put(load_blocks(shards_dir, "eval")[1])
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": cfg.to_dict(), "plan": info, "logger": logger, "train_ref": train_ref,
+                           "eval_ref": eval_ref, "run_dir": str(run_dir.absolute())},
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                                               resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage_path).absolute()),
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+        resume_from_checkpoint=resume_ckpt,
+    )
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # noqa: BLE001 - Ray wraps worker errors; keep the cause readable
+        last = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
+        raise TrainError(f"training run {name!r} failed after {cfg.max_failures} restart(s): {last}; its "
+                         f"checkpoints stay in {run_dir}, and calling pretrain again with name={name!r} resumes "
+                         "from the latest one") from exc
+    if result.checkpoint is None:
+        raise TrainError(f"training run {name!r} finished without a final checkpoint")
+    metrics = dict(result.metrics or {})
+    with result.checkpoint.as_directory() as d:
+        export_model(Path(d) / "hf", out_dir, tokenizer_dir=tokenizer_dir, eos_id=info["eos_id"],
+                     pad_id=info["pad_id"], training=cfg.to_dict(), plan=info, metrics=metrics,
+                     lineage=lineage or {})
+    return {"metrics": metrics, "info": info, "config": cfg.to_dict(), "seconds": time.time() - t0,
+            "checkpoint_path": result.checkpoint.path}

@@ -1,0 +1,46 @@
+"""Bearer-token auth against hashed tokens in the metadata store: 401 missing/unknown/revoked, 403 wrong scope."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from fastapi import Request
+
+from raypai.serving.errors import APIError
+
+SCOPES = ("deploy", "infer")
+
+
+class TokenCheck:
+    """Checks `Authorization: Bearer <token>` for a scope. Lookups are cached for `ttl_s` seconds (by
+    the token's hash), so the hot path of every inference request is not a database round trip; a
+    revoked token stops working within `ttl_s`."""
+
+    def __init__(self, store, ttl_s: float = 5.0):
+        self.store, self.ttl_s = store, ttl_s
+        self.cache: dict[str, tuple[float, object]] = {}
+
+    def __call__(self, request: Request, scope: str) -> str:
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer ") or not header[7:].strip():
+            raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>' "
+                                f"(create one with `raypai token create NAME --scope {scope}`)", code="missing_token")
+        rec = self._lookup(header[7:].strip())
+        if rec is None or rec.revoked:
+            raise APIError(401, "invalid or revoked token", code="invalid_token")
+        if scope not in rec.scopes:
+            raise APIError(403, f"token {rec.name!r} lacks the {scope!r} scope (it has {rec.scopes})",
+                           code="wrong_scope")
+        return rec.name
+
+    def _lookup(self, token: str):
+        key = hashlib.sha256(token.encode()).hexdigest()
+        hit = self.cache.get(key)
+        if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
+            return hit[1]
+        rec = self.store.lookup_token(token)
+        if len(self.cache) > 10_000:  # unknown tokens are cached too: bound the memory a scanner can take
+            self.cache.clear()
+        self.cache[key] = (time.monotonic(), rec)
+        return rec

@@ -1,0 +1,145 @@
+"""`raypai server`, `raypai deploy …`, `raypai token …`.
+
+    raypai token create ci --scope deploy --scope infer
+    raypai server --port 8080
+    RAYPAI_TOKEN=… raypai deploy create tinychat --model tinychat --alias champion
+    RAYPAI_TOKEN=… raypai deploy update tinychat --canary-version 4 --canary-percent 20
+
+`deploy` commands talk HTTP to the deploy API at $RAYPAI_API_URL (default http://127.0.0.1:8080)
+with the bearer token in $RAYPAI_TOKEN; `token` commands write the metadata store directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import typer
+
+deploy_app = typer.Typer(help="Deployments (talks to the deploy API over HTTP).", no_args_is_help=True)
+token_app = typer.Typer(help="API tokens (stored hashed; shown once).", no_args_is_help=True)
+
+
+def _settings():
+    from raypai.settings import Settings
+
+    return Settings.load()
+
+
+def _api(method: str, path: str, body: dict | None = None):
+    import httpx
+
+    url = os.environ.get("RAYPAI_API_URL", "http://127.0.0.1:8080")
+    token = os.environ.get("RAYPAI_TOKEN", "")
+    try:
+        r = httpx.request(method, f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"},
+                          timeout=600)
+    except httpx.ConnectError:
+        typer.echo(f"deploy API not reachable at {url}: start it with `raypai server` or set RAYPAI_API_URL", err=True)
+        raise typer.Exit(1) from None
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text or r.reason_phrase
+        typer.echo(f"error {r.status_code}: {msg}", err=True)
+        raise typer.Exit(1)
+    if r.content:
+        typer.echo(json.dumps(r.json(), indent=1, default=str))
+
+
+@token_app.command("create")
+def token_create(name: str, scope: List[str] = typer.Option(["infer"], help="deploy and/or infer")):
+    from raypai.serving.auth import SCOPES
+    from raypai.store import MetadataStore
+
+    bad = [s for s in scope if s not in SCOPES]
+    if bad:
+        typer.echo(f"unknown scope(s) {bad}; use {SCOPES}", err=True)
+        raise typer.Exit(2)
+    token = MetadataStore(_settings().database_url).create_token(name, scope)
+    typer.echo(token)
+    typer.echo(f"(token {name!r} with scopes {scope}: shown once, stored hashed)", err=True)
+
+
+@token_app.command("list")
+def token_list():
+    from raypai.store import MetadataStore
+
+    for t in MetadataStore(_settings().database_url).list_tokens():
+        typer.echo(f"{t.name}\t{','.join(t.scopes)}\t{'revoked' if t.revoked else 'active'}")
+
+
+@token_app.command("revoke")
+def token_revoke(name: str):
+    from raypai.store import MetadataStore
+
+    MetadataStore(_settings().database_url).revoke_token(name)
+    typer.echo(f"revoked {name}")
+
+
+@deploy_app.command("create")
+def create(name: str, model: str = typer.Option(..., help="registered model name (MLflow registry)"),
+           version: Optional[int] = typer.Option(None, help="registry version (default: the alias)"),
+           alias: Optional[str] = typer.Option(None, help="registry alias (default: champion)"),
+           replicas: int = 1, cpus: float = 1.0, gpus: float = 0.0,
+           min_replicas: Optional[int] = typer.Option(None, help="autoscale from this many replicas…"),
+           max_replicas: Optional[int] = typer.Option(None, help="…up to this many"),
+           max_batch_size: int = 16):
+    body = {"name": name, "model": model, "version": version, "alias": alias, "replicas": replicas, "cpus": cpus,
+            "gpus": gpus, "max_batch_size": max_batch_size}
+    if min_replicas is not None or max_replicas is not None:
+        body["autoscaling"] = {k: v for k, v in {"min_replicas": min_replicas, "max_replicas": max_replicas}.items()
+                               if v is not None}
+    _api("POST", "/api/v1/deployments", body)
+
+
+@deploy_app.command("list")
+def list_():
+    _api("GET", "/api/v1/deployments")
+
+
+@deploy_app.command("get")
+def get(name: str):
+    _api("GET", f"/api/v1/deployments/{name}")
+
+
+@deploy_app.command("update")
+def update(name: str, canary_version: Optional[int] = typer.Option(None, help="start a canary of this version"),
+           canary_alias: Optional[str] = typer.Option(None, help="…or of the version behind this alias"),
+           canary_percent: Optional[int] = typer.Option(None, help="share of traffic for the canary, 0-100"),
+           promote: bool = typer.Option(False, help="make the canary the stable version"),
+           replicas: Optional[int] = None):
+    body = {k: v for k, v in {"canary_version": canary_version, "canary_alias": canary_alias,
+                              "canary_percent": canary_percent, "promote": promote,
+                              "replicas": replicas}.items() if v not in (None, False)}
+    _api("PATCH", f"/api/v1/deployments/{name}", body)
+
+
+@deploy_app.command("rollback")
+def rollback(name: str):
+    _api("POST", f"/api/v1/deployments/{name}/rollback")
+
+
+@deploy_app.command("delete")
+def delete(name: str):
+    _api("DELETE", f"/api/v1/deployments/{name}")
+
+
+def server_command(port: int = 8080, host: str = "127.0.0.1"):
+    """Run the deploy API (reconciles stored deployments with Ray Serve on start)."""
+    import ray
+    import uvicorn
+
+    from raypai.serving.api import create_app
+
+    s = _settings()
+    try:
+        ray.init(address=s.ray_address or "auto", namespace="raypai", ignore_reinit_error=True)
+    except ConnectionError:
+        typer.echo("no Ray cluster to deploy on: start one with `ray start --head` (or `make demo`), "
+                   "or point RAY_ADDRESS at yours", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"deploy API on http://{host}:{port} (docs /docs); OpenAI endpoint on the Serve proxy")
+    uvicorn.run(create_app(s), host=host, port=port, log_level="info")

@@ -1,0 +1,202 @@
+"""The control plane: desired state in the metadata store, applied to Ray Serve.
+
+Each (deployment, version) is its own Serve application `raypai-<name>-v<version>` (no HTTP route);
+one router application owns `/` and reads the routing table from the store.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ray import serve
+
+from raypai.errors import DeployError, NotFoundError
+from raypai.serving.model_server import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, ModelServer
+from raypai.serving.router import Router, app_name
+from raypai.settings import Settings
+from raypai.store import MetadataStore
+from raypai.tracking import Tracker
+
+ROUTER_APP = "raypai-router"
+
+
+class DeploymentConflict(DeployError):
+    """The request contradicts the current state (name taken, version already stable): HTTP 409."""
+
+
+def serve_port() -> int:
+    return int(os.environ.get("RAYPAI_SERVE_PORT", "8000"))
+
+
+class Controller:
+    def __init__(self, settings: Settings, store: MetadataStore | None = None, tracker: Tracker | None = None):
+        self.settings = settings
+        self.store = store or MetadataStore(settings.database_url)
+        self.tracker = tracker or Tracker(settings.mlflow_tracking_uri)
+
+    # ---- Serve ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        serve.start(http_options={"host": "127.0.0.1", "port": serve_port()})
+        apps = serve.status().applications
+        if ROUTER_APP not in apps:
+            serve.run(Router.bind(self.settings.database_url), name=ROUTER_APP, route_prefix="/", blocking=False)
+
+    def _run_version(self, name: str, spec: dict, version: int) -> None:
+        opts = {"name": "ModelServer", "ray_actor_options": {"num_cpus": spec.get("cpus", 1.0),
+                                                              "num_gpus": spec.get("gpus", 0.0)}}
+        if spec.get("autoscaling"):
+            opts["autoscaling_config"] = spec["autoscaling"]
+        else:
+            opts["num_replicas"] = spec.get("replicas", 1)
+        server = ModelServer.options(**opts).bind(spec["model"], version, self.settings.mlflow_tracking_uri,
+                                                  **spec.get("batching", {}))
+        serve.run(server, name=app_name(name, version), route_prefix=None, blocking=False)
+        _wait_running(app_name(name, version))
+
+    def _resolve(self, model: str, version: int | None, alias: str | None) -> int:
+        ref = version if version is not None else (alias or "champion")
+        try:
+            v, _ = self.tracker.resolve_model(model, ref)
+        except NotFoundError as exc:
+            raise DeployError(f"refused: {exc}. Only models registered in the MLflow registry can be deployed") from None
+        return v
+
+    # ---- desired state --------------------------------------------------------------------------
+
+    def create(self, name: str, model: str, version: int | None = None, alias: str | None = None, *, replicas: int = 1,
+               autoscaling: dict | None = None, cpus: float = 1.0, gpus: float = 0.0,
+               max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S) -> dict:
+        if self.store.get_deployment(name) is not None:
+            raise DeploymentConflict(f"deployment {name!r} already exists; PATCH it to change version or scale")
+        v = self._resolve(model, version, alias)
+        spec = {"model": model, "version": v, "canary_version": None, "canary_percent": 0, "previous_versions": [],
+                "replicas": replicas, "autoscaling": autoscaling, "cpus": cpus, "gpus": gpus,
+                "batching": {"max_batch_size": max_batch_size, "batch_wait_timeout_s": batch_wait_timeout_s}}
+        self.start()
+        self.store.save_deployment(name, spec, "deploying")
+        try:
+            self._run_version(name, spec, v)
+        except DeployError:
+            self.store.save_deployment(name, spec, "failed")  # kept for inspection; DELETE removes it
+            raise
+        return self._record(name, spec, "running")
+
+    def update(self, name: str, *, canary_version: int | None = None, canary_alias: str | None = None,
+               canary_percent: int | None = None, promote: bool = False, replicas: int | None = None,
+               autoscaling: dict | None = None) -> dict:
+        spec = dict(self._get(name).spec)
+        if canary_version is not None or canary_alias is not None:
+            v = self._resolve(spec["model"], canary_version, canary_alias)
+            if v == spec["version"]:
+                raise DeploymentConflict(f"version {v} is already the stable version of {name!r}")
+            self._run_version(name, spec, v)
+            spec["canary_version"], spec["canary_percent"] = v, 10 if canary_percent is None else canary_percent
+        elif canary_percent is not None:
+            if spec["canary_version"] is None:
+                raise DeployError(f"{name!r} has no canary; start one with canary_version")
+            spec["canary_percent"] = canary_percent
+        if replicas is not None or autoscaling is not None:
+            spec.update(replicas=replicas or spec["replicas"], autoscaling=autoscaling)
+            for v in {spec["version"], spec["canary_version"]} - {None}:
+                self._run_version(name, spec, v)
+        if promote:
+            if spec["canary_version"] is None:
+                raise DeployError(f"{name!r} has no canary to promote")
+            old = spec["version"]
+            spec["previous_versions"] = [*spec["previous_versions"], old][-5:]
+            spec["version"], spec["canary_version"], spec["canary_percent"] = spec["canary_version"], None, 0
+            self._save(name, spec)  # route to the new stable version before the old one goes
+            serve.delete(app_name(name, old))
+        return self._record(name, spec, "running")
+
+    def rollback(self, name: str) -> dict:
+        """Drop the canary if there is one; otherwise go back to the previous stable version."""
+        spec = dict(self._get(name).spec)
+        if spec["canary_version"] is not None:
+            canary = spec["canary_version"]
+            spec["canary_version"], spec["canary_percent"] = None, 0
+            self._save(name, spec)
+            serve.delete(app_name(name, canary))
+        elif spec["previous_versions"]:
+            current = spec["version"]
+            prev = spec["previous_versions"].pop()
+            self._run_version(name, spec, prev)
+            spec["version"] = prev
+            self._save(name, spec)
+            serve.delete(app_name(name, current))
+        else:
+            raise DeployError(f"{name!r} has neither a canary nor a previous version to roll back to")
+        return self._record(name, spec, "running")
+
+    def delete(self, name: str) -> None:
+        spec = self._get(name).spec
+        self.store.delete_deployment(name)
+        for v in {spec["version"], spec.get("canary_version")} - {None}:
+            serve.delete(app_name(name, v))
+
+    def reconcile(self) -> list[tuple[str, str]]:
+        """Re-create applications that Serve lost (after a cluster or server restart)."""
+        self.start()
+        live = serve.status().applications
+        actions = []
+        for d in self.store.list_deployments():
+            for v in {d.spec["version"], d.spec.get("canary_version")} - {None}:
+                if app_name(d.name, v) not in live:
+                    self._run_version(d.name, d.spec, v)
+                    actions.append((d.name, f"re-created v{v}"))
+        return actions
+
+    def describe(self, name: str) -> dict:
+        rec = self._get(name)
+        return self._with_status(rec.name, rec.spec, rec.state, rec.history)
+
+    def list(self) -> list[dict]:
+        return [self._with_status(d.name, d.spec, d.state, d.history) for d in self.store.list_deployments()]
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _get(self, name: str):
+        rec = self.store.get_deployment(name)
+        if rec is None:
+            raise NotFoundError(f"deployment {name!r} not found")
+        return rec
+
+    def _save(self, name: str, spec: dict, state: str = "running"):
+        return self.store.save_deployment(name, spec, state)
+
+    def _record(self, name: str, spec: dict, state: str) -> dict:
+        rec = self._save(name, spec, state)
+        return self._with_status(rec.name, rec.spec, rec.state, rec.history)
+
+    def _with_status(self, name: str, spec: dict, state: str, history: list) -> dict:
+        try:
+            apps = serve.status().applications
+            live = {str(v): _status(apps.get(app_name(name, v)))
+                    for v in {spec["version"], spec.get("canary_version")} - {None}}
+        except Exception as exc:  # noqa: BLE001 - Serve not reachable: report it, don't fail the read
+            live = {"error": str(exc)}
+        return {"name": name, "state": state, "spec": spec, "live": live, "history_length": len(history),
+                "endpoint": f"http://127.0.0.1:{serve_port()}/v1"}
+
+
+def _status(app) -> str:
+    """RUNNING, DEPLOYING, DEPLOY_FAILED, UNHEALTHY… of a Serve application status, MISSING if absent."""
+    if app is None:
+        return "MISSING"
+    return getattr(app.status, "value", str(app.status))
+
+
+def _wait_running(app: str, timeout_s: float = 180.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = serve.status().applications.get(app)
+        value = _status(status)
+        if value == "RUNNING":
+            return
+        if value in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise DeployError(f"Serve application {app} failed: {getattr(status, 'message', '')[:500]}")
+        time.sleep(0.5)
+    raise DeployError(f"Serve application {app} not running after {timeout_s:.0f}s")

@@ -1,0 +1,155 @@
+"""The model server: a Ray Serve deployment serving one registered model version. A thin shell:
+
+- `@serve.batch` groups requests that arrive together, so one forward pass prefills them all;
+- `Engine` (engine.py) decodes every running request in one batch over a shared KV cache and lets new
+  groups join at the next token step (continuous batching);
+- the engine runs in its own thread, so the replica's event loop keeps accepting requests while the
+  model runs. Streaming requests ride in the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import queue
+import threading
+
+from ray import serve
+
+from raypai.serving.engine import Engine, Event, should_admit
+from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
+from raypai.serving.generation import GenRequest, GenResult
+
+DEFAULT_MAX_BATCH_SIZE = 16
+DEFAULT_BATCH_WAIT_S = 0.01
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, health_check_period_s=5, max_ongoing_requests=64)
+class ModelServer:
+    def __init__(self, model: str, version: int, tracking_uri: str, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S, threads: int = 1):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from raypai.tracking import Tracker
+
+        torch.set_num_threads(threads)
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        path = Tracker(tracking_uri).download_model(model, version)  # registry only, never a caller's path
+        self.model_name, self.version = model, version
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+        self.context_window = self.model.config.max_position_embeddings
+        end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
+        self.engine = Engine(self.model, self.tok, {t for t in (self.tok.eos_token_id, end) if t is not None},
+                             max_batch_size=max_batch_size)
+        self.generate_batched.set_max_batch_size(max_batch_size)
+        self.generate_batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.inbox: queue.Queue = queue.Queue()  # (key, GenRequest) waiting for the engine thread
+        self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
+        self.keys = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def info(self) -> dict:
+        return {"model": self.model_name, "version": self.version, "context_window": self.context_window,
+                "has_chat_template": bool(self.tok.chat_template), "decode_steps": self.engine.steps,
+                "decode_tokens": self.engine.tokens}
+
+    def _prepare(self, req: GenRequest, prompt: str | None, messages: list[dict] | None) -> GenRequest:
+        """Tokenize the prompt (or render the chat with the tokenizer's template) and check it fits."""
+        if messages is not None:
+            if not self.tok.chat_template:
+                raise NoChatTemplate(f"model {self.model_name}/{self.version} has no chat template; "
+                                     "use /v1/completions")
+            prompt = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tok(prompt or "", add_special_tokens=False)["input_ids"]
+        # An empty prompt starts from the document boundary token, as GPT-2-style models were trained.
+        ids = ids or [self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id]
+        if len(ids) + req.max_tokens > self.context_window:
+            raise ContextLengthExceeded(
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context window of "
+                f"{self.context_window} tokens; shorten the prompt or lower max_tokens")
+        return dataclasses.replace(req, prompt_ids=ids)
+
+    # max_concurrent_batches > 1: a new group is handed to the engine while earlier groups still decode.
+    @serve.batch(max_batch_size=DEFAULT_MAX_BATCH_SIZE, batch_wait_timeout_s=DEFAULT_BATCH_WAIT_S,
+                 max_concurrent_batches=64)
+    async def generate_batched(self, reqs: list[GenRequest]) -> list[GenResult]:
+        queues = [self._submit(r) for r in reqs]
+        return [await self._result(q) for q in queues]
+
+    async def generate(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
+        """One completion: `req` carries the sampling settings, `prompt` or `messages` the text."""
+        return await self.generate_batched(self._prepare(req, prompt, messages))
+
+    async def stream(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
+        """Text deltas as tokens are decoded, then the GenResult."""
+        q = self._submit(dataclasses.replace(self._prepare(req, prompt, messages), stream=True))
+        while True:
+            event = await q.get()
+            if isinstance(event, Exception):
+                raise event
+            if event.delta:
+                yield event.delta
+            if event.result is not None:
+                yield event.result
+                return
+
+    def check_health(self) -> None:
+        """Serve calls this every few seconds; raising makes Serve replace the replica."""
+        if self.thread is not None and not self.thread.is_alive():
+            raise RuntimeError("the generation thread has stopped")
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    # The engine runs in one long-lived thread that admits requests from `inbox` between token steps
+    # and posts events back to the event loop; the loop wakes only when a request has news (a
+    # delta to stream, a result), not once per token.
+
+    def _submit(self, req: GenRequest) -> asyncio.Queue:
+        key = next(self.keys)
+        self.listeners[key] = q = asyncio.Queue()
+        if self.thread is None:
+            self.loop = asyncio.get_running_loop()
+            self.thread = threading.Thread(target=self._engine_loop, name="raypai-engine", daemon=True)
+            self.thread.start()
+        self.inbox.put((key, req))
+        return q
+
+    async def _result(self, q: asyncio.Queue) -> GenResult:
+        while True:
+            event = await q.get()
+            if isinstance(event, Exception):
+                raise event
+            if event.result is not None:
+                return event.result
+
+    def _engine_loop(self) -> None:
+        waited = 0  # decode steps since the oldest waiting request arrived
+        while True:
+            if not self.engine.active and self.inbox.empty():
+                self.inbox.put(self.inbox.get())  # idle: sleep until a request comes
+            items = []
+            if should_admit(self.inbox.qsize(), self.engine.free_slots, self.engine.active, waited):
+                while len(items) < self.engine.free_slots and not self.inbox.empty():
+                    items.append(self.inbox.get_nowait())
+            try:
+                events = self.engine.add(items) if items else self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed forward pass fails its requests, not the replica
+                keys = [k for k, _ in items] + [s.key for s in self.engine.seqs]
+                self.engine.reset()
+                events = [Event(k, "", error=exc) for k in dict.fromkeys(keys)]
+            waited = 0 if items or self.inbox.empty() else waited + 1
+            if events:
+                self.loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for e in events:
+            q = self.listeners.get(e.key)
+            if q is None:
+                continue
+            q.put_nowait(e.error or e)
+            if e.result is not None or e.error is not None:
+                del self.listeners[e.key]

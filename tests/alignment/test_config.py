@@ -1,0 +1,45 @@
+"""Typed configs: every problem reported at once, before any actor starts (no Ray needed)."""
+
+import pytest
+
+from raypai.alignment import DPOConfig, GRPOConfig, PPOConfig
+from raypai.alignment import config as C
+from raypai.errors import ConfigError
+
+
+def test_grpo_config_lists_every_problem_with_its_fix():
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(group_size=1, aggregation="mean", prompts_per_step=3, rollout_replicas=2, clip_eps=2).validate()
+    assert len(err.value.problems) == 4
+    text = str(err.value)
+    assert "group_size must be > 1 (got 1): with one sample per prompt every advantage is 0" in text
+    assert "aggregation 'mean' is unknown; choose one of grpo, bnpo, dr_grpo, dapo" in text
+    assert "divisible by rollout_replicas" in text and "clip_eps must be in (0, 1) (got 2)" in text
+
+
+def test_dpo_ppo_and_file_configs_are_checked():
+    with pytest.raises(ConfigError) as err:
+        DPOConfig(loss_type="kto", label_smoothing=0.5, online=True, num_samples=1).validate()
+    assert len(err.value.problems) == 3 and "choose one of sigmoid, ipo, hinge" in str(err.value)
+    with pytest.raises(ConfigError, match="gamma and lam must be in"):
+        PPOConfig(lam=1.5).validate()
+    with pytest.raises(ConfigError, match="no option 'lr_rate'"):
+        C.from_dict("sft", {"lr_rate": 1})
+    with pytest.raises(ConfigError, match="unknown algorithm 'ppo2'; choose one of sft, reward_model"):
+        C.from_dict("ppo2", {})
+    assert C.from_dict("online_dpo", {"steps": 3}).online is True
+    assert C.from_dict("ppo", {"kl_coef": 0.1}).kl_coef == 0.1
+
+
+def test_align_cli_rejects_a_bad_config_file_before_ray_starts(tmp_path):
+    import ray
+
+    from raypai.alignment.cli import align_command
+
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text("group_size: 1\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        align_command("grpo", tmp_path / "model", tmp_path / "out", config=cfg)
+    assert len(err.value.problems) == 2  # the unknown option and the bad value, together
+    assert "no option 'learning_rate'" in str(err.value) and "group_size must be > 1" in str(err.value)
+    assert not ray.is_initialized()

@@ -1,0 +1,90 @@
+"""Role actors on real Ray + DeepSpeed (CPU): separate named processes, exact weight sync,
+frozen reference, rule and callable rewards, a critic, and a placement that cannot fit."""
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_actors
+from transformers import AutoTokenizer
+
+from raypai.alignment._tensors import encode
+from raypai.alignment.placement import Placement, RoleSpec
+from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
+from raypai.alignment.sync import sync_weights
+from raypai.alignment.tasks import arithmetic as ar
+from raypai.errors import ConfigError
+
+
+def length_bonus(prompts, completions, **_):
+    return [0.5 * len(c) for c in completions]
+
+
+def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tiny_model):
+    place = Placement("roles-test", {"policy": RoleSpec(1), "rollout": RoleSpec(0.5), "reference": RoleSpec(0.5),
+                                     "reward": RoleSpec(0.25), "critic": RoleSpec(0.5)})
+    try:
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        [rollout] = place.place("rollout", Rollout, tiny_model)
+        [reference] = place.place("reference", Reference, tiny_model)
+        [reward] = place.place("reward", Reward, [(ar.exact_match_reward, 1.0), (length_bonus, 0.1)])
+        [critic] = place.place("critic", Critic, tiny_model, 1e-3)
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        batch = encode(tok, ["1+2=", "3+4="], ["3", "7"])
+        ray.get([a.__ray_ready__.remote() for a in (policy, rollout, reference, reward, critic)])
+        names = {a.name: a.pid for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
+                 if a.name.startswith("roles-test/")}
+        assert set(names) == {f"roles-test/{r}-0" for r in ("policy", "rollout", "reference", "reward", "critic")}
+        assert len(set(names.values())) == 5  # five processes
+
+        ray.get(policy.sft_step.remote(batch))  # the trainer moves away from the rollout's weights
+        before = ray.get(rollout.logprobs.remote(batch))
+        trained = ray.get(policy.logprobs.remote(batch))
+        assert not torch.allclose(before, trained)
+        stats = sync_weights(policy, [rollout])
+        after = ray.get(rollout.logprobs.remote(batch))
+        torch.testing.assert_close(after, trained, atol=1e-5, rtol=0)  # same tokens, same log-probs after sync
+        assert stats["sync_bytes"] > 100_000 and stats["sync_seconds"] > 0
+        torch.testing.assert_close(ray.get(reference.logprobs.remote(batch)), before, atol=1e-5, rtol=0)  # frozen
+
+        digits = tuple(str(d) for d in range(10))
+        out = ray.get(rollout.generate.remote(["1+2="], n=4, max_new_tokens=6, stop=digits))
+        stop_ids = set(tok.convert_tokens_to_ids(list(digits) + ["<|end|>", tok.eos_token]))
+        for seq, m in zip(out["seqs"], out["masks"]):
+            comp = seq[m.index(1):]
+            assert not stop_ids & set(comp[:-1])  # nothing generated after the first stop token
+        with pytest.raises(ray.exceptions.RayTaskError, match="not a single token"):
+            ray.get(rollout.generate.remote(["1+2="], stop=("no such token",)))
+
+        scores = ray.get(reward.score.remote(["1+2=", "3+4="], ["3", "8"], {"answer": [3, 7]}))
+        assert scores["exact_match_reward"] == [1.0, 0.0] and scores["total"] == pytest.approx([1.05, 0.05])
+
+        values = ray.get(critic.values.remote(batch))
+        assert values.shape == batch["response_mask"].shape
+        returns = torch.ones_like(values)
+        first = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
+        for _ in range(5):
+            last = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
+        assert last < first  # the value head regresses toward the returns
+    finally:
+        place.shutdown()
+
+
+def test_a_placement_that_cannot_fit_fails_at_once_naming_the_shortfall(ray_align):
+    with pytest.raises(ConfigError, match=r"CPU: the roles of 'huge' need 100, the cluster has 8"):
+        Placement("huge", {"policy": RoleSpec(cpus=100)})
+
+
+def test_colocated_roles_share_one_bundle(ray_align):
+    """reward (0.25 CPU) and a second reward-style judge (0.5 CPU) colocated → one 0.75-CPU bundle;
+    the policy keeps its own. Both colocated actors run and are named per role."""
+    place = Placement("coloc-test", {"policy": RoleSpec(1), "reward": RoleSpec(0.25), "judge": RoleSpec(0.5)},
+                      colocate=(("reward", "judge"),))
+    try:
+        assert sorted(b["CPU"] for b in place.pg.bundle_specs) == [0.75, 1.0]
+        [reward] = place.place("reward", Reward, [(ar.exact_match_reward, 1.0)])
+        [judge] = place.place("judge", Reward, [(length_bonus, 1.0)])
+        assert ray.get(judge.score.remote(["1+1="], ["22"], {}))["total"] == [1.0]
+        assert ray.get(reward.score.remote(["1+1="], ["2"], {"answer": [2]}))["total"] == [1.0]
+        assert ray.get_actor("coloc-test/judge-0") is not None
+    finally:
+        place.shutdown()

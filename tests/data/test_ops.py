@@ -1,0 +1,144 @@
+"""Per-op unit tests on hand-written inputs, edge cases included."""
+
+import numpy as np
+import pytest
+
+from raypai.data.ops.dedup import ExactDedup, MinHashDedup, UnionFind, normalize
+from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
+                                     GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
+from raypai.data.ops.language import Language, detect
+from raypai.data.ops.mappers import BoilerplateStrip, PIIRedact, PunctuationNormalize, UnicodeNFC, WhitespaceNormalize
+from raypai.data.recipe import load_recipe
+from raypai.errors import ConfigError
+
+EDGE = ["", "!!! ??? ...", "Съешь же ещё этих мягких французских булок", "word " * 20000]
+
+
+def test_mappers():
+    assert UnicodeNFC().map_texts(["e\u0301"]) == ["\u00e9"]
+    assert WhitespaceNormalize().map_texts(["a \t b\u00a0c  \n\n\n\nd  "]) == ["a b c\n\nd"]
+    assert PunctuationNormalize().map_texts(["“Hi”—you…"]) == ['"Hi" - you...']
+    red = PIIRedact().map_texts(["mail bob@x.org from 10.0.0.1 or 2001:db8::1, call +1 415-555-1234."])[0]
+    assert red == "mail <EMAIL> from <IP> or <IP>, call <PHONE>."
+    text = ("The Project Gutenberg eBook of X\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nBody text here.\n"
+            "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence")
+    assert BoilerplateStrip().map_texts([text]) == ["Body text here."]
+    for m in (UnicodeNFC(), WhitespaceNormalize(), PunctuationNormalize(), PIIRedact(), BoilerplateStrip()):
+        assert len(m.map_texts(EDGE)) == len(EDGE)  # no op crashes on empty, punctuation-only, Cyrillic, huge
+
+
+def test_count_and_ratio_filters_by_hand():
+    texts = ["one two three", "aaaa bbbb", ""]
+    assert WordCount().stats(texts).tolist() == [3, 2, 0]
+    assert MeanWordLength().stats(texts).tolist() == [11 / 3, 4.0, 0.0]
+    # "ab!!" has 2 alphanumerics of 4 chars, 2 specials of 4
+    assert AlnumRatio().stats(["ab!!"]).tolist() == [0.5]
+    assert SpecialCharRatio().stats(["ab!!"]).tolist() == [0.5]
+    assert not SpecialCharRatio().keep(np.array([0.5]))[0]
+    # word 2-grams of "a b a b": (a b) (b a) (a b) → the repeated gram covers 2 of 3 occurrences
+    assert WordRepetition(rep_len=2).stats(["a b a b"]).tolist() == [pytest.approx(2 / 3)]
+
+
+def test_char_repetition_bigscience_definition():
+    # "aaaaa" 2-grams: aa×4 → U=1, ⌊√1⌋=1 repeated gram with 4 of 4 occurrences → 1.0
+    assert CharRepetition(rep_len=2).stats(["aaaaa"]).tolist() == [1.0]
+    # "abcd" 2-grams all unique → no repeated gram → 0
+    assert CharRepetition(rep_len=2).stats(["abcd", ""]).tolist() == [0.0, 0.0]
+
+
+def test_gopher_and_fineweb_rules():
+    import random
+
+    from raypai.data.synth import prose
+
+    good = prose(random.Random(3), 8)  # varied sentences, ≥ 50 words
+    assert GopherQuality().stats([good]).tolist() == [0.0]
+    assert GopherQuality().stats(["short text"]).tolist()[0] >= 1
+    rep = "\n".join(["the same line again"] * 10)
+    assert GopherRepetition().stats([rep])[0] > 0 and not GopherRepetition().keep(GopherRepetition().stats([rep]))[0]
+    assert GopherRepetition().stats([good])[0] <= 0
+    lines = "\n".join(["menu", "home", "about", "contact"] * 5)
+    assert FineWebQuality().stats([lines])[0] >= 1
+    assert FineWebQuality().stats([""])[0] == 4
+
+
+def test_gopher_repetition_duplicate_ngram_walk():
+    """datatrove's `find_all_duplicate` walk, isolated (every other rule switched off)."""
+    def only(n):
+        return GopherRepetition(dup_para_frac=1, dup_para_char_frac=1, dup_line_frac=1, dup_line_char_frac=1,
+                                top_ngrams=(), dup_ngrams=((n, 0.0),))
+    # "x"×12: the 5-grams at 0..7 are equal; 0 is new, 1 repeats (5 chars, jump to 6), 6 repeats
+    # (5 chars, jump to 11, past the last 5-gram): 10 of the text's 23 characters.
+    assert only(5).stats([" ".join("x" * 12)]).tolist() == [pytest.approx(10 / 23)]
+    # 2-grams of "a b a b c b c": ab ba ab(repeat: 2 chars, jump to 4, so "bc" at 3 is never seen)
+    # cb bc(at 5: its only earlier occurrence was skipped, so it is new): 2 of 13 characters.
+    assert only(2).stats(["a b a b c b c"]).tolist() == [pytest.approx(2 / 13)]
+    texts = ["a b a b c b c", "", "a b a b c b c a b", " ".join("x" * 12), "one two three four five one two three"]
+    together = GopherRepetition().stats(texts)
+    alone = [GopherRepetition().stats([t])[0] for t in texts]
+    assert together.tolist() == pytest.approx(alone)  # documents of one batch never share n-grams
+    assert together[1] == 1.0  # empty text: dropped, as datatrove does
+
+
+def test_gopher_quality_and_fineweb_extra_rules():
+    long_words = " ".join(["extraordinarily"] * 60 + ["the", "and", "of"] * 10)  # mean length 13.2
+    assert GopherQuality().stats([long_words])[0] >= 1
+    dup_lines = "\n".join(["A line that ends well, and it is long enough."] * 3
+                          + [f"Line number {i} is different from all of the other lines." for i in range(20)])
+    assert FineWebQuality(char_duplicates_ratio=1.0).stats([dup_lines])[0] == 0
+    assert FineWebQuality().stats([dup_lines])[0] == 1  # 2 repeated lines: 88 of ~1.2k chars > 1%
+
+
+def test_flagged_words_and_user_list(tmp_path):
+    assert FlaggedWords().stats(["buy viagra now please"])[0] == pytest.approx(0.25)
+    custom = tmp_path / "words.txt"
+    custom.write_text("banana\n")
+    assert FlaggedWords(words_path=str(custom)).stats(["banana split", "viagra"]).tolist() == [0.5, 0.0]
+
+
+def test_language_detector_needs_no_download():
+    assert detect("The cat sat on the mat and it was happy with the day.")[0] == "en"
+    assert detect("Le chat est sur la table et il est content de la journée.")[0] == "fr"
+    assert detect("Съешь же ещё этих мягких французских булок")[0] == "ru"
+    assert detect("qwrtz pls dfgkj xcvbn mnbvc")[0] == "und"
+    assert detect("") == ("und", 0.0) and detect("!!!") == ("und", 0.0)
+    lang = Language()
+    ann = lang.annotate(["The cat sat on the mat and it was happy.", "zzkq vvbn xxrt"])
+    assert lang.keep(lang.stats([], ann)).tolist() == [True, False]
+
+
+def test_dedup_primitives():
+    assert normalize("Hello,  WORLD!") == "hello world"
+    k = ExactDedup().keys(["Hello world", "hello,   world", "other"])
+    assert k[0] == k[1] != k[2]
+    mh = MinHashDedup()
+    base = " ".join(f"w{i}" for i in range(200))
+    near = base.replace("w100", "x100")
+    far = " ".join(f"v{i}" for i in range(200))
+    sig = mh.signatures([base, near, far, ""])
+    est = (sig[0] == sig[1]).mean()
+    # one substituted word changes 5 of 196 shingles: Jaccard = 191/201 ≈ 0.95
+    assert est == pytest.approx(191 / 201, abs=0.08)
+    assert (sig[0] == sig[2]).mean() < 0.1
+    keys = mh.band_keys(sig)
+    assert keys.shape == (4, 14) and (keys[0] == keys[1]).any() and not (keys[0] == keys[2]).any()
+    uf = UnionFind()
+    uf.union("b", "c")
+    uf.union("c", "a")
+    assert uf.find("c") == "a" and uf.find("b") == "a"
+
+
+def test_recipe_validation_reports_every_problem(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(["whitespace_normalize", "no_such_op", {"word_count": {"min_value": "ten"}},
+                     {"minhash_dedup": {"bands": 3}}, "pkg.missing:Op"])
+    msgs = err.value.problems
+    assert len(msgs) == 4
+    assert "unknown op 'no_such_op'" in msgs[0] and "word_count" in msgs[0]  # lists the valid choices
+    assert "must be a number" in msgs[1] and "unknown parameter 'bands'" in msgs[2] and "cannot be imported" in msgs[3]
+    y = tmp_path / "r.yaml"
+    y.write_text("ops:\n  - whitespace_normalize\n  - word_count: {min_value: 3}\n  - exact_dedup\n")
+    ops = load_recipe(str(y))
+    assert [o.name for o in ops] == ["whitespace_normalize", "word_count", "exact_dedup"] and ops[1].min_value == 3
+    with pytest.raises(ConfigError, match="not found"):
+        load_recipe(str(tmp_path / "missing.yaml"))

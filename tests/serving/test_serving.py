@@ -1,0 +1,283 @@
+"""Serving end to end over real HTTP: deploy API (uvicorn) → Ray Serve router + model servers →
+the official `openai` client. One Ray + Serve instance for the module."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from raypai.serving.control import serve_port
+from raypai.settings import Settings
+from raypai.tracking import Tracker
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Serve's proxy binds with SO_REUSEPORT: on the default port 8000, another Serve on this machine (a
+# colleague's test, `make demo`) would silently share the traffic. This module's Serve gets its own.
+os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
+OPENAI = f"http://127.0.0.1:{serve_port()}/v1"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    import uvicorn
+
+    from raypai.serving.api import create_app
+    from raypai.store import MetadataStore
+
+    home = tmp_path_factory.mktemp("serve-home")
+    settings = Settings.load({"RAYPAI_HOME": str(home)})
+    tracker = Tracker(settings.mlflow_tracking_uri, artifact_root=home / "mlartifacts")
+    model_dir = tiny_model_dir
+    v1 = tracker.register_model(model_dir, "tiny")
+    v2 = tracker.register_model(model_dir, "tiny", alias="champion")
+    store = MetadataStore(settings.database_url)
+    tokens = {"deploy": store.create_token("deployer", ["deploy"]), "infer": store.create_token("client", ["infer"])}
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    def start_server():
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+        t = threading.Thread(target=server.run, daemon=True)
+        t.start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    return server, f"http://127.0.0.1:{port}"
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("deploy API did not start")
+
+    server, api = start_server()
+    yield {"api": api, "tokens": tokens, "v1": v1, "v2": v2, "restart": start_server,
+           "server": server, "store": store, "settings": settings}
+    server.should_exit = True
+    serve.shutdown()
+    ray.shutdown()
+    os.environ.pop("RAYPAI_SERVE_PORT", None)
+
+
+def _api(stack, method, path, body=None, token="deploy"):
+    return httpx.request(method, stack["api"] + path, json=body, timeout=300,
+                         headers={"Authorization": f"Bearer {stack['tokens'][token]}"})
+
+
+def test_deploy_query_canary_rollback_delete(stack):
+    import openai
+
+    r = _api(stack, "POST", "/api/v1/deployments", {"name": "chat", "model": "tiny", "version": stack["v1"]})
+    assert r.status_code == 201, r.text
+    assert r.json()["live"] == {str(stack["v1"]): "RUNNING"}
+    client = openai.OpenAI(base_url=OPENAI, api_key=stack["tokens"]["infer"])
+    assert [m.id for m in client.models.list().data] == ["chat"]
+    chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "1+2="}], max_tokens=5)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 5
+    assert chat.system_fingerprint == f"tiny/{stack['v1']}"
+    comp = client.completions.create(model="chat", prompt="the quick", max_tokens=4, temperature=0)
+    assert comp.usage.prompt_tokens > 0 and comp.usage.completion_tokens <= 4
+    raw = client.completions.with_raw_response.create(model="chat", prompt="the", max_tokens=2)
+    assert raw.headers["x-raypai-model-version"] == f"tiny/{stack['v1']}"
+    chunks = list(client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, stream=True, temperature=0))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    same = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0)
+    assert streamed == same.choices[0].message.content  # streaming and batching agree (greedy)
+
+    r = _api(stack, "PATCH", "/api/v1/deployments/chat", {"canary_version": stack["v2"], "canary_percent": 50})
+    assert r.status_code == 200, r.text and r.json()["spec"]["canary_percent"] == 50
+    time.sleep(1.5)  # the router refreshes its table every second
+    served = [client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1)
+              .headers["x-raypai-model-version"] for _ in range(40)]
+    assert set(served) == {f"tiny/{stack['v1']}", f"tiny/{stack['v2']}"}
+    assert 8 <= served.count(f"tiny/{stack['v2']}") <= 32
+
+    r = _api(stack, "POST", "/api/v1/deployments/chat/rollback")
+    assert r.status_code == 200 and r.json()["spec"]["canary_version"] is None
+    time.sleep(1.5)
+    assert {client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1)
+            .headers["x-raypai-model-version"] for _ in range(8)} == {f"tiny/{stack['v1']}"}
+    assert _api(stack, "DELETE", "/api/v1/deployments/chat").status_code == 204
+    assert _api(stack, "GET", "/api/v1/deployments/chat").status_code == 404
+
+
+def test_auth_and_registry_only(stack):
+    body = {"name": "x", "model": "tiny", "version": stack["v1"]}
+    assert httpx.post(stack["api"] + "/api/v1/deployments", json=body).status_code == 401
+    r = httpx.post(stack["api"] + "/api/v1/deployments", json=body, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_token"
+    r = _api(stack, "POST", "/api/v1/deployments", body, token="infer")
+    assert r.status_code == 403 and "deploy" in r.json()["error"]["message"]
+    for model in ("/etc/passwd", "../models/x", "s3://bucket/evil.pkl", "http://evil/model"):
+        r = _api(stack, "POST", "/api/v1/deployments", {**body, "model": model})
+        assert r.status_code == 400 and "registry" in r.text, model
+    r = _api(stack, "POST", "/api/v1/deployments", {**body, "model": "never-registered"})
+    assert r.status_code == 400 and "Only models registered" in r.json()["error"]["message"]
+    r = httpx.get(OPENAI + "/models", headers={"Authorization": f"Bearer {stack['tokens']['deploy']}"})
+    assert r.status_code == 403
+    temp = stack["store"].create_token("short-lived", ["deploy"])
+    assert httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 200
+    stack["store"].revoke_token("short-lived")
+    assert httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 401
+
+
+def test_bad_requests_get_openai_errors_never_500(stack):
+    # "val" (the registry's champion alias) also serves the restart and replica-kill tests below.
+    r = _api(stack, "POST", "/api/v1/deployments", {"name": "val", "model": "tiny", "alias": "champion"})
+    assert r.status_code == 201 and r.json()["spec"]["version"] == stack["v2"], r.text
+    h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
+    cases = [
+        (b"{not json", 400), (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
+        (json.dumps({"model": "val", "prompt": "x", "max_tokens": -1}).encode(), 400),
+        (json.dumps({"model": "val", "prompt": "x", "max_tokens": 10**9}).encode(), 400),
+        (json.dumps({"model": "val", "prompt": "word " * 500, "max_tokens": 8}).encode(), 400),
+        (json.dumps({"model": "val", "prompt": 12, "max_tokens": "many"}).encode(), 400),
+        (json.dumps({"model": "val", "prompt": "x", "temperature": 9}).encode(), 400),
+    ]
+    for body, status in cases:
+        r = httpx.post(OPENAI + "/completions", content=body, headers={**h, "content-type": "application/json"})
+        assert r.status_code == status, (body[:60], r.status_code, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(OPENAI + "/completions", json={"model": "val", "prompt": "word " * 500, "max_tokens": 8}, headers=h)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    long_chat = {"model": "val", "messages": [{"role": "user", "content": "word " * 500}], "stream": True}
+    r = httpx.post(OPENAI + "/chat/completions", json=long_chat, headers=h)  # refused before the stream starts
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = _api(stack, "POST", "/api/v1/deployments", {"name": "val", "model": "tiny", "version": stack["v1"]})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    r = _api(stack, "POST", "/api/v1/deployments", {"name": "auto", "model": "tiny", "version": stack["v1"],
+                                                    "autoscaling": {"min_replicas": 3, "max_replicas": 1}})
+    assert r.status_code == 400 and "min_replicas" in r.json()["error"]["message"]
+
+
+def test_cli_mirrors_the_api(stack):
+    """`raypai token …` writes the store; `raypai deploy …` talks HTTP to the deploy API."""
+    from typer.testing import CliRunner
+
+    from raypai.serving.cli import deploy_app, token_app
+
+    cli = CliRunner()
+    made = cli.invoke(token_app, ["create", "cli-user", "--scope", "infer", "--scope", "deploy"],
+                      env={"RAYPAI_HOME": str(stack["settings"].home)})
+    assert made.exit_code == 0, made.output
+    token = made.stdout.strip().splitlines()[0]
+    assert httpx.get(OPENAI + "/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    env = {"RAYPAI_API_URL": stack["api"], "RAYPAI_TOKEN": token}
+    listed = cli.invoke(deploy_app, ["list"], env=env)
+    assert listed.exit_code == 0 and '"val"' in listed.stdout, listed.output
+    missing = cli.invoke(deploy_app, ["get", "nope"], env=env)
+    assert missing.exit_code == 1 and "error 404" in missing.output
+    bad = cli.invoke(token_app, ["create", "x", "--scope", "admin"], env={"RAYPAI_HOME": str(stack["settings"].home)})
+    assert bad.exit_code == 2 and "unknown scope" in bad.output
+
+
+def test_schemathesis_finds_no_5xx_in_either_api(stack):
+    """Property-based requests generated from both OpenAPI schemas, valid (positive) and invalid
+    (negative); half of the router's bodies name the live deployment so generation runs too."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings as hsettings, strategies as st
+
+    checked = {}
+    for base, token in ((f"http://127.0.0.1:{serve_port()}", "infer"), (stack["api"], "deploy")):
+        schema = schemathesis.openapi.from_url(base + "/openapi.json")
+        headers = {"Authorization": f"Bearer {stack['tokens'][token]}"}
+        for result in schema.get_all_operations():
+            op = result.ok()
+            # Invalid (negative) cases for JSON bodies; a string path parameter has no invalid value.
+            has_body = op.body is not None and len(op.body) > 0
+            for mode in schemathesis.GenerationMode if has_body else [schemathesis.GenerationMode.POSITIVE]:
+                @hsettings(max_examples=25, deadline=None, phases=[Phase.generate], database=None,
+                           suppress_health_check=list(HealthCheck))
+                @given(case=op.as_strategy(generation_mode=mode), live=st.booleans())
+                def fuzz(case, live):
+                    if live and isinstance(case.body, dict) and "model" in case.body and "/v1/" in op.path:
+                        case.body["model"] = "val"
+                    r = case.call(base_url=base, headers=headers, timeout=60)
+                    assert r.status_code < 500, (op.label, r.status_code, r.text[-600:], case.body)
+                    checked[op.label] = checked.get(op.label, 0) + 1
+
+                fuzz()
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "PATCH /api/v1/deployments/{name}"} <= set(checked)
+
+
+
+def test_restarted_deploy_server_reconciles_from_the_store(stack):
+    serve.delete(f"raypai-val-v{stack['v2']}")  # Serve "loses" the application
+    assert f"raypai-val-v{stack['v2']}" not in serve.status().applications
+    stack["server"].should_exit = True
+    stack["server"], stack["api"] = stack["restart"]()  # a new server process does the same on start
+    app = serve.status().applications[f"raypai-val-v{stack['v2']}"]
+    assert app.status.value == "RUNNING"
+    assert _api(stack, "GET", "/api/v1/deployments/val").json()["live"] == {str(stack["v2"]): "RUNNING"}
+    r = httpx.post(OPENAI + "/completions", json={"model": "val", "prompt": "the", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {stack['tokens']['infer']}"})
+    assert r.status_code == 200 and r.headers["x-raypai-model-version"] == f"tiny/{stack['v2']}"
+
+
+def test_killed_replica_under_load_is_replaced_with_a_brief_error_spike(stack):
+    """Scale to 2 replicas, load with 4 client threads, kill one replica: the router retries a request
+    that died with its replica, Serve starts a replacement; measure errors and the latency spike."""
+    r = _api(stack, "PATCH", "/api/v1/deployments/val", {"replicas": 2})
+    assert r.status_code == 200 and r.json()["spec"]["replicas"] == 2, r.text
+    app = f"raypai-val-v{stack['v2']}"
+
+    def replicas():
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith(f"SERVE_REPLICA::{app}#"))
+
+    before = replicas()
+    assert len(before) == 2, before
+    h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
+    log, stop = [], threading.Event()
+
+    def client():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                t0 = time.time()
+                try:
+                    code = c.post(OPENAI + "/completions", headers=h,
+                                  json={"model": "val", "prompt": "the quick", "max_tokens": 8}).status_code
+                except httpx.HTTPError:
+                    code = 0
+                log.append((t0, time.time() - t0, code))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    killed_at = time.time()
+    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+    deadline = time.time() + 90
+    while time.time() < deadline and (before[0] in replicas() or len(replicas()) < 2):
+        time.sleep(0.5)
+    replaced_at = time.time()
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join()
+    after = replicas()
+    assert len(after) == 2 and before[0] not in after, after  # Serve replaced the dead replica
+    errors = [(t, code) for t, _, code in log if code != 200]
+    during = [lat for t, lat, _ in log if killed_at <= t <= replaced_at]
+    steady = sorted(lat for t, lat, _ in log if t < killed_at)
+    print(json.dumps({"requests": len(log), "errors": len(errors), "error_codes": sorted({c for _, c in errors}),
+                      "error_window_s": round(max(t for t, _ in errors) - min(t for t, _ in errors), 2) if errors else 0,
+                      "replacement_s": round(replaced_at - killed_at, 1),
+                      "steady_p50_s": round(steady[len(steady) // 2], 3),
+                      "max_latency_during_s": round(max(during), 3) if during else None}))
+    assert len(log) > 40 and len(errors) <= 0.05 * len(log), errors  # at most a brief spike
+    assert all(code in (0, 503) for _, code in errors)  # never a 500: a dead replica is "retry later"
+    assert all(code == 200 for t, _, code in log if t > replaced_at)  # and none once replaced

@@ -1,0 +1,179 @@
+"""The runner on real Ray with the embedded stores: caching, partial re-runs, failure + resume,
+retries, concurrency, lineage and MLflow runs. One local Ray for the module."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from raypai import Artifact, Runner, StepContext, pipeline, step
+from raypai.dsl import DAG, Node
+from raypai.errors import ConfigError, PipelineError, StoreError
+from raypai.lineage import sources, upstream
+from raypai.pipelines.toy import toy
+from raypai.runner import tracker_for
+from raypai.store import MetadataStore
+
+
+def _run(settings, pipe, **params):
+    return Runner(settings).run(pipe.build(**params))
+
+
+def test_toy_caches_reruns_affected_steps_and_tracks_in_mlflow(raypai_home):
+    first = _run(raypai_home, toy, n=6)
+    assert first.ok and [s.state for s in first.steps.values()] == ["succeeded"] * 3
+    counts = (first.result.local_path() / "counts.json").read_text()
+    assert '"RAY"' in counts  # upper-cased by transform
+
+    again = _run(raypai_home, toy, n=6)
+    assert [s.state for s in again.steps.values()] == ["cached"] * 3
+    assert again.result.digest == first.result.digest and again.seconds < 5
+
+    changed = _run(raypai_home, toy, n=6, upper=False)
+    assert {n: s.state for n, s in changed.steps.items()} == {
+        "write_text": "cached", "transform": "succeeded", "count": "succeeded"}
+
+    tracker = tracker_for(raypai_home)
+    children = tracker.child_runs(first.mlflow_run_id)
+    assert sorted(r.data.tags["mlflow.runName"] for r in children) == ["count", "transform", "write_text"]
+    count_run = [r for r in children if r.data.tags["mlflow.runName"] == "count"][0]
+    assert count_run.data.metrics["words"] > 0
+    assert tracker.get_run(first.mlflow_run_id).info.status == "FINISHED"
+
+    store = MetadataStore(raypai_home.database_url)
+    tree = upstream(store, first.result.id)
+    chain = []
+    node = tree
+    while node and node["produced_by"]:
+        chain.append(node["produced_by"]["node"])
+        inputs = node["produced_by"]["inputs"]
+        node = inputs[0]["lineage"] if inputs else None
+    assert chain == ["count", "transform", "write_text"]
+
+
+def test_failure_is_recorded_and_resume_reruns_only_unfinished(raypai_home, tmp_path):
+    marker = tmp_path / "fail-now"
+    marker.write_text("x")
+    failed = _run(raypai_home, toy, n=4, fail_if_exists=str(marker))
+    assert failed.state == "failed"
+    assert failed["transform"].state == "failed" and "RuntimeError" in failed["transform"].error
+    assert failed["count"].state == "skipped"
+    store = MetadataStore(raypai_home.database_url)
+    sr = store.get_step_run(failed["transform"].step_run_id)
+    assert sr["state"] == "failed" and "Traceback" in sr["traceback"] and "fail_if_exists" not in sr["error"]
+    assert store.get_run(failed.run_id)["state"] == "failed"
+
+    marker.unlink()
+    resumed = Runner(raypai_home).run(toy.build(n=4, fail_if_exists=str(marker)), origin_run_id=failed.run_id)
+    assert resumed.ok
+    assert {n: s.state for n, s in resumed.steps.items()} == {
+        "write_text": "cached", "transform": "succeeded", "count": "succeeded"}
+    assert store.get_run(resumed.run_id)["origin_run_id"] == failed.run_id
+
+
+_ATTEMPTS = {}
+
+
+@step(cpus=0.25, retries=2, retry_delay_s=0.1, cache=False)
+def flaky(ctx: StepContext, counter_file: str) -> dict:
+    p = Path(counter_file)
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n < 1:
+        raise ConnectionError("transient failure")
+    return {"tries": n + 1}
+
+
+@pipeline
+def flaky_pipe(counter_file: str):
+    return flaky(counter_file=counter_file)
+
+
+def test_retries_with_backoff_then_success(raypai_home, tmp_path):
+    res = _run(raypai_home, flaky_pipe, counter_file=str(tmp_path / "count"))
+    assert res.ok and res["flaky"].value == {"tries": 2} and res["flaky"].attempts == 2
+    events = [s for s, _ in MetadataStore(raypai_home.database_url).step_events(res["flaky"].step_run_id)]
+    assert events == ["pending", "running", "failed", "running", "succeeded"]
+
+
+@step(cpus=0.25, cache=False)
+def nap(ctx: StepContext, seconds: float, tag: str) -> dict:
+    time.sleep(seconds)
+    return {"tag": tag}
+
+
+@step(cpus=0.25, cache=False)
+def join(ctx: StepContext, a: dict, b: dict) -> dict:
+    return {"tags": [a["tag"], b["tag"]]}
+
+
+@pipeline
+def fan(seconds: float = 5.0):  # long enough to cover a cold worker start on a busy machine
+    return join(nap(seconds, "a"), nap(seconds, "b"))
+
+
+def test_independent_steps_run_concurrently(raypai_home):
+    res = _run(raypai_home, fan)
+    assert res.ok and res.result == {"tags": ["a", "b"]}
+    store = MetadataStore(raypai_home.database_url)
+    a, b = (store.get_step_run(res[n].step_run_id) for n in ("nap", "nap_2"))
+    assert a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"], "the two naps did not overlap"
+
+
+@step(cpus=0.25)
+def read_input(ctx: StepContext, path: str) -> Artifact:
+    src = ctx.register_source(path)
+    out = ctx.output_dir()
+    (out / "copy.txt").write_bytes(Path(path).read_bytes())
+    return ctx.save(out, kind="dataset", metadata={"source": src.id})
+
+
+@pipeline
+def reader(path: str):
+    return read_input(path)
+
+
+def test_missing_input_file_fails_clearly_and_writes_no_artifact(raypai_home, tmp_path):
+    res = _run(raypai_home, reader, path=str(tmp_path / "absent.txt"))
+    assert res.state == "failed"
+    assert "DataError" in res["read_input"].error and "absent.txt" in res["read_input"].error
+    assert MetadataStore(raypai_home.database_url).count_artifacts() == 0
+
+    (tmp_path / "present.txt").write_text("raw words")
+    ok = _run(raypai_home, reader, path=str(tmp_path / "present.txt"))
+    assert ok.ok
+    tree = upstream(MetadataStore(raypai_home.database_url), ok.result.id)
+    assert [s["kind"] for s in sources(tree)] == ["source"]
+
+
+def test_bad_pipeline_definitions_are_clear_errors(raypai_home):
+    with pytest.raises(ConfigError, match="unknown parameter 'm'.*valid parameters: n, upper"):
+        toy.build(m=3)
+    with pytest.raises(ConfigError, match="must be int"):
+        toy.build(n="three")
+    assert toy.coerce_params({"n": "7", "upper": "false"})["upper"] is False
+
+    @pipeline
+    def bad_step_param():
+        from raypai.pipelines.toy import write_text
+
+        write_text(lines=3)
+
+    with pytest.raises(PipelineError, match="its parameters are: n, seed"):
+        bad_step_param.build()
+
+    from raypai.pipelines.toy import count, transform, write_text
+    from raypai.dsl import StepOutput
+
+    dag = DAG("cyclic", {})
+    dag.nodes["a"] = Node("a", transform, {"text": StepOutput("b")})
+    dag.nodes["b"] = Node("b", count, {"text": StepOutput("a")})
+    with pytest.raises(PipelineError, match="cycle through steps \\['a', 'b'\\]"):
+        dag.order()
+    with pytest.raises(PipelineError, match="outside a @pipeline"):
+        write_text(n=1)
+
+
+def test_unreachable_database_fails_before_anything_runs(raypai_home, monkeypatch):
+    with pytest.raises(StoreError, match="RAYPAI_DATABASE_URL"):
+        Runner(raypai_home.replace(database_url="postgresql+psycopg://x@127.0.0.1:1/none"))
