@@ -36,7 +36,7 @@ def sft(ctx: StepContext, base_model: Artifact, steps: int = 150, lr: float = 3e
 
 
 @step(cpus=0.5)
-def reward_model(ctx: StepContext, sft_model: Artifact, steps: int = 300, lr: float = 2e-3, batch_size: int = 32,
+def reward_model(ctx: StepContext, sft_model: Artifact, steps: int = 300, lr: float = 5e-4, batch_size: int = 32,
                  seed: int = 0) -> Artifact:
     train, held = ar.split(seed=seed)
     out = ctx.output_dir("rm")

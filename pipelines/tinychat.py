@@ -25,7 +25,7 @@ ALGORITHMS = ("grpo", "ppo", "dpo", "online_dpo")
 @pipeline(name="tinychat")
 def tinychat(raw_dir: str = "", docs: int = 3000, vocab_size: int = 2048, block_size: int = 128, layers: int = 2,
              hidden: int = 128, pretrain_steps: int = 200, workers: int = 2, sft_steps: int = 300,
-             rm_steps: int = 200, align_steps: int = 40, algorithm: str = "grpo", name: str = "tinychat",
+             rm_steps: int = 300, align_steps: int = 40, algorithm: str = "grpo", name: str = "tinychat",
              seed: int = 0):
     if algorithm not in ALGORITHMS:
         raise ConfigError([f"algorithm {algorithm!r} is not available in tinychat; choose one of "

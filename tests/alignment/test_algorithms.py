@@ -51,9 +51,10 @@ def test_sft_lowers_response_loss_and_exports_an_hf_folder(sft):
 def test_reward_model_ranks_held_out_pairs(sft, tmp_path):
     # held-out pairs: wrong answers the reward model never saw
     rm = train_reward_model(sft[0], str(tmp_path / "rm"), ar.preference_pairs(TRAIN, 0, 3),
-                            ar.preference_pairs(TRAIN, 7, 1), RewardModelConfig(steps=300, lr=2e-3, batch_size=32),
+                            ar.preference_pairs(TRAIN, 7, 1), RewardModelConfig(steps=300, lr=5e-4, batch_size=32),
                             run_name="t-rm")
-    assert rm["rm_eval_accuracy"] >= 0.65, rm
+    # 0.76-0.89 over five seeds on this SFT model (chance 0.5; before training 0.40-0.54)
+    assert rm["rm_eval_accuracy"] >= 0.7 and rm["rm_eval_accuracy"] > rm["rm_eval_accuracy_before"], rm
 
 
 def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
