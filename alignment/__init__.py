@@ -1,12 +1,20 @@
 """raypai.alignment: SFT, reward model, DPO, online DPO, GRPO and PPO with the model roles
-(policy trainer, rollout, reference, reward, critic) as Ray actors; the maths in `losses/`."""
+(policy trainer, rollout, reference, reward, critic) as Ray actors; the maths in `losses/`.
 
-from raypai.alignment.config import DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, SFTConfig
-from raypai.alignment.dpo import run_dpo
-from raypai.alignment.grpo import run_grpo
-from raypai.alignment.ppo import run_ppo
-from raypai.alignment.reward_model import train_reward_model
-from raypai.alignment.sft import run_sft
+The names below load on first use (PEP 562): importing the package does not import torch."""
 
-__all__ = ["SFTConfig", "RewardModelConfig", "DPOConfig", "GRPOConfig", "PPOConfig", "run_sft", "train_reward_model",
-           "run_dpo", "run_grpo", "run_ppo"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {**dict.fromkeys(("SFTConfig", "RewardModelConfig", "DPOConfig", "GRPOConfig", "PPOConfig"),
+                            "raypai.alignment.config"),
+            "run_sft": "raypai.alignment.sft", "train_reward_model": "raypai.alignment.reward_model",
+            "run_dpo": "raypai.alignment.dpo", "run_grpo": "raypai.alignment.grpo", "run_ppo": "raypai.alignment.ppo"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raypai.alignment' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
