@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=25
 
 # A persistent local Ray (head node) so the deployed endpoint outlives the pipeline driver.
 demo: $(STAMP)
