@@ -39,6 +39,10 @@ def test_run_twice_change_param_lineage_show(cli):
     run_id = re.search(r"run ([0-9a-f]{8})", first.stdout).group(1)
     show = cli("show", run_id)
     assert "count" in show.stdout and "report counts" in show.stdout
+    # every step row names the Ray node its task ran on (all three ran, on the one local node)
+    nodes = {m.group(1): m.group(2)
+             for m in re.finditer(r"│ (write_text|transform|count) +│ succeeded.*?│ ([0-9a-f]{8}) │", show.stdout)}
+    assert "ray node" in show.stdout and len(nodes) == 3 and len(set(nodes.values())) == 1, show.stdout
     report_id = re.search(r"count → output: report counts (\w+)", show.stdout).group(1)
     lineage = cli("lineage", report_id)
     for node in ("toy.count", "toy.transform", "toy.write_text"):

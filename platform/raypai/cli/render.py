@@ -64,13 +64,13 @@ def runs_table(runs: list[dict]) -> Table:
 
 def steps_table(steps: list[dict]) -> Table:
     t = Table(title="steps")
-    for col in ("step", "state", "attempts", "cache", "took", "mlflow run", "error"):
+    for col in ("step", "state", "attempts", "cache", "took", "ray node", "mlflow run", "error"):
         t.add_column(col)
     for s in steps:
         took = (s["finished_at"] - s["started_at"]).total_seconds() if s["finished_at"] and s["started_at"] else None
         t.add_row(s["node"], f"[{_STYLE.get(s['state'], 'white')}]{s['state']}[/]", str((s["attempt"] or 0) + 1),
                   "hit" if s["cache_hit"] else "", f"{took:.1f}s" if took is not None else "-",
-                  (s["mlflow_run_id"] or "")[:12], (s["error"] or "")[:80])
+                  (s.get("ray_node_id") or "")[:8], (s["mlflow_run_id"] or "")[:12], (s["error"] or "")[:80])
     return t
 
 
