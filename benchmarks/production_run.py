@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 # The e2e test's SMALL configuration (tests/e2e/test_tinychat.py), repeated here: benchmarks don't import tests.
-SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, sft_steps=100, rm_steps=60,
+SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, sft_steps=100, sft_lr=3e-3, rm_steps=60,
              align_steps=6)
 MAIN_PATH = ("sft_model", "base_model", "shards", "dataset", "raw")  # the input followed from model to raw files
 

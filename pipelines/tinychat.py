@@ -24,8 +24,8 @@ ALGORITHMS = ("grpo", "ppo", "dpo", "online_dpo")
 
 @pipeline(name="tinychat")
 def tinychat(raw_dir: str = "", docs: int = 3000, vocab_size: int = 2048, block_size: int = 128, layers: int = 2,
-             hidden: int = 128, pretrain_steps: int = 200, workers: int = 2, sft_steps: int = 300,
-             rm_steps: int = 300, align_steps: int = 40, algorithm: str = "grpo", name: str = "tinychat",
+             hidden: int = 128, pretrain_steps: int = 200, workers: int = 2, sft_steps: int = 600,
+             sft_lr: float = 1e-3, rm_steps: int = 300, align_steps: int = 40, algorithm: str = "grpo", name: str = "tinychat",
              seed: int = 0):
     if algorithm not in ALGORITHMS:
         raise ConfigError([f"algorithm {algorithm!r} is not available in tinychat; choose one of "
@@ -37,7 +37,7 @@ def tinychat(raw_dir: str = "", docs: int = 3000, vocab_size: int = 2048, block_
     base = pretrain(shards, tokenizer, steps=pretrain_steps, layers=layers, hidden=hidden, intermediate=hidden * 2,
                     heads=4, kv_heads=2, workers=workers, zero_stage=2, checkpoint_every=max(10, pretrain_steps // 4),
                     eval_every=max(10, pretrain_steps // 4), seed=seed, register_as=f"{name}-base")
-    sft_model = sft(base, steps=sft_steps, seed=seed)
+    sft_model = sft(base, steps=sft_steps, lr=sft_lr, seed=seed)
     if algorithm == "grpo":
         rm = reward_model(sft_model, steps=rm_steps, seed=seed)
         aligned = grpo(sft_model, rm, steps=align_steps, reward_model_weight=0.2, seed=seed)

@@ -9,7 +9,7 @@ from raypai.runner import Runner
 from raypai.serving.control import serve_port
 from raypai.store import MetadataStore
 
-SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, sft_steps=100, rm_steps=60,
+SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, sft_steps=100, sft_lr=3e-3, rm_steps=60,
              align_steps=6)
 
 
