@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/pretrain.py                 # ≈ 5 min on 2 cores; one JSON line per result
     .venv/bin/python benchmarks/pretrain.py --steps 40 --ckpt-model-hidden 512
+    .venv/bin/python benchmarks/pretrain.py --grad-accum 4 --skip-checkpoint   # 4 micro-batches per step, both sides
 
 Results (baselines measured in the same run):
 - `bare_loop`: a single-process PyTorch loop (same model, micro-batch, AdamW, clipping, schedule,
@@ -52,10 +53,12 @@ def bare_loop(cfg: PretrainConfig, tokens: np.ndarray, warm: int = 3) -> dict:
     rng = np.random.default_rng(cfg.seed)
     times = []
     for step in range(cfg.steps):
-        x = torch.from_numpy(tokens[rng.integers(0, len(tokens), cfg.micro_batch)]).long()  # (b, T)
+        xs = [torch.from_numpy(tokens[rng.integers(0, len(tokens), cfg.micro_batch)]).long()  # (b, T)
+              for _ in range(cfg.grad_accum)]
         t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+        for x in xs:  # gradient accumulation, as DeepSpeed does it: mean of the micro-batch losses
+            loss = model(input_ids=x, labels=x).loss / cfg.grad_accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -63,7 +66,7 @@ def bare_loop(cfg: PretrainConfig, tokens: np.ndarray, warm: int = 3) -> dict:
         loss.item()
         if step >= warm:
             times.append(time.perf_counter() - t0)
-    per_step = cfg.micro_batch * tokens.shape[1]
+    per_step = cfg.micro_batch * cfg.grad_accum * tokens.shape[1]
     return {"mean": per_step * len(times) / sum(times), "median": per_step / statistics.median(times)}
 
 
@@ -82,6 +85,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ckpt-model-hidden", type=int, default=512)
     ap.add_argument("--ckpt-steps", type=int, default=24)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (both sides)")
+    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2))
+    ap.add_argument("--skip-checkpoint", action="store_true", help="throughput only, no checkpoint-stall runs")
     args = ap.parse_args()
 
     import ray
@@ -94,11 +100,13 @@ def main() -> None:
                         max_positions=128, vocab_size=2048)
     torch.set_num_threads(1)  # the workers' thread count: the peak is per worker
     peak = measure_peak_flops(1.0)
-    base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, lr=1e-3, zero_stage=2,
+    base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, grad_accum=args.grad_accum,
+                          lr=1e-3, zero_stage=args.zero_stage,
                           workers=2, threads_per_worker=1, eval_every=args.steps, eval_blocks=8,
                           checkpoint_every=10**6, log_every=10, peak_flops_per_worker=peak, memory_budget_gb=8)
     n_params = sum(p.numel() for p in build_model(model, 2048).parameters())
-    common = {"n_params": n_params, "micro_batch": base.micro_batch, "seq_len": 128, "threads_per_worker": 1,
+    common = {"n_params": n_params, "micro_batch": base.micro_batch, "grad_accum": base.grad_accum, "seq_len": 128,
+              "threads_per_worker": 1,
               "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
     bare_before = bare_loop(base, tokens)
@@ -112,7 +120,7 @@ def main() -> None:
               "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
               "after": round(bare_after["median"], 1), **common})
         for workers, m in ((1, one), (2, two)):
-            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": 2,
+            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": base.zero_stage,
                   "tokens_per_s": round(m["tokens_per_s_steady"], 1),
                   "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
                   "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
@@ -122,7 +130,9 @@ def main() -> None:
               "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
               "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3), **common})
 
-        big = replace(base, model=replace(model, hidden=args.ckpt_model_hidden,
+        if args.skip_checkpoint:
+            return
+        big = replace(base, grad_accum=1, model=replace(model, hidden=args.ckpt_model_hidden,
                                           intermediate=args.ckpt_model_hidden * 8 // 3),
                       steps=args.ckpt_steps, checkpoint_every=4, eval_every=args.ckpt_steps)
         big_params = sum(p.numel() for p in build_model(big.model, 2048).parameters())
