@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (both sides)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2))
     ap.add_argument("--skip-checkpoint", action="store_true", help="throughput only, no checkpoint-stall runs")
+    ap.add_argument("--only-checkpoint", action="store_true", help="checkpoint-stall runs only")
+    ap.add_argument("--deepspeed", default="{}", help="JSON merged over raypai's DeepSpeed config (raypai runs only)")
     args = ap.parse_args()
 
     import ray
@@ -101,7 +103,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the workers' thread count: the peak is per worker
     peak = measure_peak_flops(1.0)
     base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, grad_accum=args.grad_accum,
-                          lr=1e-3, zero_stage=args.zero_stage,
+                          lr=1e-3, zero_stage=args.zero_stage, deepspeed_config=json.loads(args.deepspeed),
                           workers=2, threads_per_worker=1, eval_every=args.steps, eval_blocks=8,
                           checkpoint_every=10**6, log_every=10, peak_flops_per_worker=peak, memory_budget_gb=8)
     n_params = sum(p.numel() for p in build_model(model, 2048).parameters())
@@ -109,47 +111,60 @@ def main() -> None:
               "threads_per_worker": 1,
               "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
-    bare_before = bare_loop(base, tokens)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        one = raypai_run(replace(base, workers=1), shards, work, "w1")
-        two = raypai_run(base, shards, work, "w2")
-        bare_after = bare_loop(base, tokens)
-        bare = {k: statistics.mean([bare_before[k], bare_after[k]]) for k in ("mean", "median")}
-        emit({"bench": "pretrain", "result": "bare_loop", "tokens_per_s": round(bare["mean"], 1),
-              "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
-              "after": round(bare_after["median"], 1), **common})
-        for workers, m in ((1, one), (2, two)):
-            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": base.zero_stage,
-                  "tokens_per_s": round(m["tokens_per_s_steady"], 1),
-                  "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
-                  "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
-                  "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
-                  "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
-        emit({"bench": "pretrain", "result": "scaling_1_to_2_workers",
-              "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
-              "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3), **common})
-
-        if args.skip_checkpoint:
-            return
-        big = replace(base, grad_accum=1, model=replace(model, hidden=args.ckpt_model_hidden,
-                                          intermediate=args.ckpt_model_hidden * 8 // 3),
-                      steps=args.ckpt_steps, checkpoint_every=4, eval_every=args.ckpt_steps)
-        big_params = sum(p.numel() for p in build_model(big.model, 2048).parameters())
-        stalls = {}
-        for mode in ("sync", "async"):
-            m = raypai_run(replace(big, async_checkpoint=mode == "async"), shards, work, f"ckpt-{mode}")
-            stalls[mode] = m
-        sync_s, async_s = stalls["sync"]["checkpoint_stall_mean_s"], stalls["async"]["checkpoint_stall_mean_s"]
-        emit({"bench": "pretrain", "result": "checkpoint_stall", "n_params": big_params,
-              "state_mb_approx": round(big_params * 16 / 2**20, 1), "checkpoints": stalls["sync"]["checkpoints"],
-              "sync_stall_s": round(sync_s, 4), "async_stall_s": round(async_s, 4),
-              "async_over_sync": round(async_s / sync_s, 3), "target": 0.10,
-              "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
-              "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
-              "storage": "local disk (RunConfig.storage_path)", "load_avg_1m": os.getloadavg()[0]})
+        if not args.only_checkpoint:
+            throughput(base, common, shards, tokens, work)
+        if not args.skip_checkpoint:
+            checkpoint_stall(args, base, model, shards, work)
     finally:
         ray.shutdown()
+
+
+def throughput(base: PretrainConfig, common: dict, shards: Path, tokens: np.ndarray, work: Path) -> None:
+    """Bare loop (before and after), raypai with 1 and 2 workers, and the scaling between them."""
+    bare_before = bare_loop(base, tokens)
+    one = raypai_run(replace(base, workers=1), shards, work, "w1")
+    two = raypai_run(base, shards, work, "w2")
+    bare_after = bare_loop(base, tokens)
+    bare = {k: statistics.mean([bare_before[k], bare_after[k]]) for k in ("mean", "median")}
+    emit({"bench": "pretrain", "result": "bare_loop", "tokens_per_s": round(bare["mean"], 1),
+          "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
+          "after": round(bare_after["median"], 1), **common})
+    for workers, m in ((1, one), (2, two)):
+        emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": base.zero_stage,
+              "deepspeed_overrides": base.deepspeed_config,
+              "tokens_per_s": round(m["tokens_per_s_steady"], 1),
+              "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+              "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
+              "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
+              "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
+    emit({"bench": "pretrain", "result": "scaling_1_to_2_workers",
+          "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
+          "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3), **common})
+
+
+def checkpoint_stall(args, base: PretrainConfig, model: ModelConfig, shards: Path, work: Path) -> None:
+    """Seconds the loop is blocked per checkpoint, synchronous vs asynchronous, on a larger model;
+    the asynchronous stall is broken down into its parts (rank 0's)."""
+    big = replace(base, grad_accum=1, model=replace(model, hidden=args.ckpt_model_hidden,
+                                                    intermediate=args.ckpt_model_hidden * 8 // 3),
+                  steps=args.ckpt_steps, checkpoint_every=4, eval_every=args.ckpt_steps)
+    big_params = sum(p.numel() for p in build_model(big.model, 2048).parameters())
+    stalls = {mode: raypai_run(replace(big, async_checkpoint=mode == "async"), shards, work, f"ckpt-{mode}")
+              for mode in ("sync", "async")}
+    sync_s, async_s = stalls["sync"]["checkpoint_stall_mean_s"], stalls["async"]["checkpoint_stall_mean_s"]
+    n = stalls["async"]["checkpoints"]
+    parts = {f"async_{part}_s": round(stalls["async"][f"checkpoint_stall_{part}_s"] / n, 4)
+             for part in ("wait", "snapshot", "poll", "report")}
+    emit({"bench": "pretrain", "result": "checkpoint_stall", "n_params": big_params, "zero_stage": big.zero_stage,
+          "state_mb_approx": round(big_params * 16 / 2**20, 1), "checkpoints": stalls["sync"]["checkpoints"],
+          "sync_stall_s": round(sync_s, 4), "async_stall_s": round(async_s, 4),
+          "async_over_sync": round(async_s / sync_s, 3), "target": 0.10, **parts,
+          "snapshot_buffer_mb_rank0": round(stalls["async"]["checkpoint_snapshot_buffer_mb"], 1),
+          "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
+          "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
+          "storage": "local disk (RunConfig.storage_path)", "load_avg_1m": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def test_killed_workers_and_a_restarted_driver_resume_at_the_last_checkpoint_wit
         reference, shards, tokenizer_dir, tmp_path):
     """Drill: the first driver allows no restart and dies with its worker at step 19 (checkpoint
     16 registered); a second driver with the same run name resumes at 16, its worker dies again
-    at step 27 and Ray Train restarts the worker group from checkpoint 24. Every step must read
+    at step 35 and Ray Train restarts the worker group from checkpoint 32 (that process's second
+    asynchronous snapshot, so written from reused snapshot buffers). Every step must read
     the uninterrupted run's blocks, repeat at most one checkpoint interval, and end on its loss."""
     folder, _ = shards
     trace = tmp_path / "trace"
@@ -102,15 +103,15 @@ def test_killed_workers_and_a_restarted_driver_resume_at_the_last_checkpoint_wit
         pretrain(folder, tokenizer_dir, tmp_path / "model", first, name="drill", storage_path=store)
     assert json.loads((latest_checkpoint(store, "drill") / "data_position.json").read_text()) == {"next_step": 16}
 
-    second = _cfg(trace_dir=str(trace), max_failures=1, kill_worker_at_step=27)  # async checkpoints
+    second = _cfg(trace_dir=str(trace), max_failures=1, kill_worker_at_step=35)  # async checkpoints
     res = pretrain(folder, tokenizer_dir, tmp_path / "model", second, name="drill", storage_path=store)
-    assert sorted(p.name for p in trace.glob("killed-at-*")) == ["killed-at-19", "killed-at-27"]  # both died
+    assert sorted(p.name for p in trace.glob("killed-at-*")) == ["killed-at-19", "killed-at-35"]  # both died
 
     ref, got = reference[2], _trace(trace)
     assert got["blocks"] == ref["trace"]["blocks"]  # every (rank, step, micro) read the uninterrupted run's blocks
     steps = [s for r, s in got["ran"] if r == 0]
     restarts = [(steps[i - 1], steps[i]) for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
-    assert [at for _, at in restarts] == [16, 24]  # resumed from the latest checkpoint each time
+    assert [at for _, at in restarts] == [16, 32]  # resumed from the latest checkpoint each time
     for last_run, at in restarts:
         assert 0 < last_run - at + 1 <= EVERY  # steps done twice: at most one checkpoint interval
     assert sorted(set(steps)) == list(range(STEPS)) and res["metrics"]["step"] == STEPS

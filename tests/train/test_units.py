@@ -153,3 +153,31 @@ def test_shard_reading_errors(tmp_path):
                    empty / "shard-00000.parquet")
     with pytest.raises(TrainError, match="no train blocks"):
         read_manifest(empty)
+
+
+def test_snapshot_buffers_copy_values_into_reused_memory():
+    import torch
+
+    from raypai.train.checkpoint import SnapshotBuffers
+
+    state = {"module": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)},
+             "optimizer": {"state": [(torch.zeros(4), 7)], "lr": 0.1}, "step": 3}
+    bufs = SnapshotBuffers()
+    first = bufs.copy(state, ("model.pt",))
+    assert torch.equal(first["module"]["w"], state["module"]["w"]) and first["optimizer"]["state"][0][1] == 7
+    assert first["module"]["w"].data_ptr() != state["module"]["w"].data_ptr()  # a copy, not a view
+    assert first["optimizer"]["lr"] == 0.1 and first["step"] == 3 and isinstance(first["optimizer"]["state"][0], tuple)
+    ptr = first["module"]["w"].data_ptr()
+    torch.save(first, "/dev/null")  # serializable as DeepSpeed's own clones are
+
+    state["module"]["w"].add_(10.0)  # training moves on
+    assert first["module"]["w"][0, 0].item() == 0.0  # the snapshot keeps the values it copied
+    second = bufs.copy(state, ("model.pt",))
+    assert second["module"]["w"].data_ptr() == ptr  # same memory, no new allocation
+    assert torch.equal(second["module"]["w"], state["module"]["w"])
+    assert bufs.nbytes == (6 + 3 + 4) * 4
+
+    state["module"]["w"] = torch.zeros(5, dtype=torch.float64)  # a changed shape gets a new buffer
+    third = bufs.copy(state, ("model.pt",))
+    assert third["module"]["w"].dtype == torch.float64 and torch.equal(third["module"]["w"], torch.zeros(5, dtype=torch.float64))
+    assert bufs.copy({"w": torch.ones(2)}, ("other.pt",))["w"].data_ptr() != third["module"]["w"].data_ptr()

@@ -29,6 +29,9 @@ def ds_config(cfg) -> dict:
         "zero_optimization": {"stage": cfg.zero_stage},
         "zero_allow_untested_optimizer": True,  # a plain torch AdamW: DeepSpeed's fused Adam needs a compiler/GPU
         "steps_per_print": 10**9,
+        # raypai's tag is always the same ("state"), so DeepSpeed's cross-rank tag check (two
+        # all-reduces inside every save) would only add to the checkpoint stall
+        "checkpoint": {"tag_validation": "Ignore"},
         "bf16": {"enabled": bool(cfg.use_gpu)},  # fp32 on CPU: gloo has no bf16 all-reduce fast path
     }
     for k, v in cfg.deepspeed_config.items():
@@ -154,9 +157,13 @@ def train_loop(loop_cfg: dict) -> None:
     # stall: every second the loop waited on checkpointing (snapshots, polls, reports, final flush)
     final = {**metrics, "checkpoint_stall_s": stall_total, "checkpoints": len(stalls),
              "checkpoint_stall_mean_s": stall_total / len(stalls) if stalls else 0.0,
+             "checkpoint_stall_first_s": stalls[0] if stalls else 0.0,  # the first snapshot also allocates buffers
              # after warm-up: mean, and median (robust to other processes' bursts on a shared machine)
              "tokens_per_s_steady": tokens_per_step * len(steady_times) / sum(steady_times) if steady_times else 0.0,
              "tokens_per_s_median": tokens_per_step / float(np.median(steady_times)) if steady_times else 0.0}
+    if saver is not None:  # where the asynchronous stall went: waiting on a write, snapshot copies, polls, reports
+        final.update({f"checkpoint_stall_{part}_s": v for part, v in saver.stall.items()})
+        final["checkpoint_snapshot_buffer_mb"] = saver.buffers.nbytes / 2**20
     checkpoint.save(engine, final, next_step=cfg.steps, rank=rank, final=True)
 
 
