@@ -18,19 +18,50 @@ class Samples:
     prompts: list[str]  # (B,) the prompt of every sample, n consecutive samples per prompt
     completions: list[str]  # (B,) decoded completions (without the end token)
     rows: dict  # per-sample task fields for reward functions, e.g. {"answer": [...]}
+    behaviour_lp: torch.Tensor | None = None  # (B, T−1) log-probs under the weights that sampled them
+
+
+@dataclass
+class Pending:
+    """Generation in flight on the rollout replicas (`launch`), not yet waited for (`collect`)."""
+    refs: list  # one ObjectRef per replica that got problems
+    order: list  # the problems, in the order of the concatenated outputs
+    n: int
+
+
+def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+           logprobs: bool = False) -> Pending:
+    """Start sampling n completions per problem; the problems are split across the replicas,
+    groups stay together. Returns at once."""
+    chunks = [problems[i::len(rollouts)] for i in range(len(rollouts))]
+    refs = [r.generate.remote([p.prompt for p in c], n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, logprobs=logprobs) for r, c in zip(rollouts, chunks) if c]
+    return Pending(refs, [p for c in chunks for p in c], n)
+
+
+def collect(pending: Pending, *, pad_id: int) -> Samples:
+    """Wait for a launched generation and pad it into one training batch."""
+    outs, order, n = ray.get(pending.refs), pending.order, pending.n
+    batch = pad([s for o in outs for s in o["seqs"]], [m for o in outs for m in o["masks"]], pad_id)
+    behaviour = None
+    if outs and "logprobs" in outs[0]:  # each replica's (B_i, T_i−1), right-aligned like the batch: pad to (B, T−1)
+        behaviour = torch.zeros(batch["response_mask"].shape)
+        row = 0
+        for o in outs:
+            lp = o["logprobs"]
+            behaviour[row:row + lp.shape[0], :lp.shape[1]] = lp
+            row += lp.shape[0]
+    fields = [{k: v for k, v in asdict(p).items() if k != "prompt"} for p in order]
+    rows = {k: [f[k] for f in fields for _ in range(n)] for k in (fields[0] if fields else {})}
+    return Samples(batch, [p.prompt for p in order for _ in range(n)], [c for o in outs for c in o["completions"]],
+                   rows, behaviour)
 
 
 def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,
            top_p: float = 1.0) -> Samples:
-    """n samples per problem; the problems are split across the replicas, groups stay together."""
-    chunks = [problems[i::len(rollouts)] for i in range(len(rollouts))]
-    outs = ray.get([r.generate.remote([p.prompt for p in c], n=n, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p) for r, c in zip(rollouts, chunks) if c])
-    order = [p for c in chunks for p in c]
-    batch = pad([s for o in outs for s in o["seqs"]], [m for o in outs for m in o["masks"]], pad_id)
-    fields = [{k: v for k, v in asdict(p).items() if k != "prompt"} for p in order]
-    rows = {k: [f[k] for f in fields for _ in range(n)] for k in (fields[0] if fields else {})}
-    return Samples(batch, [p.prompt for p in order for _ in range(n)], [c for o in outs for c in o["completions"]], rows)
+    """n samples per problem, waited for (`launch` then `collect`)."""
+    return collect(launch(rollouts, problems, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+                   pad_id=pad_id)
 
 
 class Sections:

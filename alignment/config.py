@@ -108,6 +108,8 @@ class GRPOConfig:
     seed: int = 0
     rollout_replicas: int = 1
     reward_model_weight: float = 0.0  # weight of a trained reward model next to the rule reward
+    # generate the next batch while this one trains: one step off-policy, ratio against the sampling weights
+    async_rollout: bool = False
 
     def validate(self):
         p = []

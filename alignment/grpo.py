@@ -7,6 +7,11 @@
 
 The loop reads like single-process code: rollout → reference log-probs + rewards → advantages →
 train → sync weights → eval → checkpoint. Re-running with the same `checkpoint_dir` resumes.
+
+`async_rollout=True` overlaps the next step's generation with this step's scoring and training
+(one-step off-policy, as in AReaL/verl's one-step-off-policy recipes): the batch trained on at step
+t was sampled with the weights from before step t−1's update, and the clipped ratio is taken
+against the log-probs of those sampling weights (returned by the rollout with the samples).
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment._loop import Sections, collect, launch, mean_of, response_length, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import GRPOConfig
 from raypai.alignment.evaluate import accuracy_with
 from raypai.alignment.losses import grpo_advantages
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import sync_weights
+from raypai.alignment.sync import start_sync, sync_weights
 from raypai.alignment.tasks.arithmetic import Problem, exact_match_reward
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
@@ -56,20 +61,32 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
             print(f"[raypai.grpo] resumed from {checkpoint_dir} at step {start}", flush=True)
         acc_before = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
         history = []
+        pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
+        gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
+        # async: the first batch is launched now; every later one while the previous step trains
+        pending = launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen) if cfg.async_rollout else None
+        loads: list = []  # async weight loads queued on the replicas, checked once the step is done
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
-            with t("time_rollout"):
-                s = sample(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), cfg.group_size,
-                           pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                           top_p=cfg.top_p)
+            with t("time_rollout"):  # async: only the wait for the generation that ran during the last step
+                if cfg.async_rollout:
+                    s = collect(pending, pad_id=pad_id)
+                    pending = (launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen)
+                               if step < cfg.steps else None)
+                else:
+                    s = collect(launch(rollouts, pick(), cfg.group_size, **gen), pad_id=pad_id)
             # reference and reward work in parallel; time_reference is the wait left after the rewards
             ref_lp = reference.logprobs.remote(s.batch) if cfg.beta else None
-            # μ = 1: the old policy *is* the current one, the trainer detaches its own log-probs (no extra pass)
-            old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
+            # old log-probs: async, the sampling weights' (off-policy ratio); μ = 1 on-policy, the
+            # trainer detaches its own (no extra pass); μ > 1, the rollout's before the updates
+            if s.behaviour_lp is not None:
+                old_lp = s.behaviour_lp
+            else:
+                old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
             with t("time_reward"):
                 scores = ray.get(reward.score.remote(s.prompts, s.completions, s.rows))
             with t("time_reference"):
-                ref_lp, old_lp = (ray.get(x) if x is not None else None for x in (ref_lp, old_lp))
+                ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
             rewards = to_tensor(scores["total"])
             adv = grpo_advantages(rewards, cfg.group_size)  # (B,) one per completion
             with t("time_train"):
@@ -77,11 +94,17 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
                     m = ray.get(policy.grpo_step.remote(s.batch, old_lp, ref_lp, adv, cfg.clip_eps, cfg.clip_eps_high,
                                                         cfg.beta, cfg.aggregation, cfg.max_new_tokens))
             with t("time_sync"):
-                sync = sync_weights(policy, rollouts)
+                if cfg.async_rollout:  # queued behind the generation in flight; the driver goes on
+                    sizes, loads = ray.get(loads), start_sync(policy, rollouts)  # the previous step's loads are done
+                    sync = {"sync_bytes": int(sizes[0]) if sizes else 0}
+                else:
+                    sync = sync_weights(policy, rollouts)
+            sync["sync_seconds"] = t.seconds["time_sync"]  # async: what the driver waited, not the copy itself
             metrics = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
                        "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
                        "entropy": m["entropy"], "grad_norm": m["grad_norm"], "response_length": response_length(s.batch),
                        **sync, **t.seconds, "samples": len(s.completions),
+                       "policy_lag_steps": int(cfg.async_rollout and step > start + 1),
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
             if step % cfg.eval_every == 0:
                 metrics["eval_accuracy"] = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
@@ -93,6 +116,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
             if logger is not None:
                 logger.log_metrics(metrics, step=step)
             history.append(metrics)
+        ray.get(loads)  # the last weights are on every replica before the final evaluation
         summary = {"eval_accuracy_before": acc_before,
                    "eval_accuracy_after": accuracy_with(rollouts[0], held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),

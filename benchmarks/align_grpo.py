@@ -11,6 +11,8 @@ loss, `prompts × group` completions of at most `--max-new-tokens` tokens per op
 raypai's actors run 1 torch thread each; TRL runs once per `--trl-threads` value (1 = per-core
 comparison; 2 = TRL owning both cores).
 samples/s is steady state: the first step (DeepSpeed/TRL warm-up) is excluded on both sides.
+`raypai_grpo_async` repeats raypai with `async_rollout=True` (the next batch is generated while this
+one trains: one step off-policy, the ratio taken against the sampling weights' log-probs).
 `raypai_beta` repeats raypai with β = 0.04 so the reference actor works every step.
 """
 
@@ -45,21 +47,23 @@ class Steps:
             self.rows.append(metrics)
 
 
-def run_raypai(sft_dir: str, out: Path, args, beta: float, name: str) -> dict:
+def run_raypai(sft_dir: str, out: Path, args, beta: float, name: str, async_rollout: bool = False) -> dict:
     from raypai.alignment import GRPOConfig, run_grpo
     from raypai.alignment.tasks import arithmetic as ar
 
     train, held = ar.split()
     log = Steps()
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, lr=5e-4, beta=beta,
-                     aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed)
+                     aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed,
+                     async_rollout=async_rollout)
     summary = run_grpo(sft_dir, str(out / name), train, held, cfg, run_name=name, logger=log)
     steady = log.rows[1:]
     seconds = sum(r["step_seconds"] for r in steady)
     row = {"result": name, "samples_per_s": sum(r["samples"] for r in steady) / seconds,
            "step_seconds": seconds / len(steady), "response_length": sum(r["response_length"] for r in steady) / len(steady),
            "reward_mean": summary["mean_reward_mean"], "sync_seconds": sum(r["sync_seconds"] for r in steady) / len(steady),
-           "sync_bytes": summary["sync_bytes"]}
+           "sync_bytes": summary["sync_bytes"], "async_rollout": async_rollout,
+           "clip_fraction": sum(r["clip_fraction"] for r in steady) / len(steady)}
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
 
@@ -183,6 +187,7 @@ def main() -> None:
         common = {"steps": args.steps, "prompts": args.prompts, "group": args.group,
                   "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
         emit({**run_raypai(str(out / "sft"), out, args, 0.0, "raypai_grpo"), **common})
+        emit({**run_raypai(str(out / "sft"), out, args, 0.0, "raypai_grpo_async", async_rollout=True), **common})
         for threads in map(int, args.trl_threads.split(",")):
             emit({**run_trl(str(out / "sft"), out, args, threads), **common, "trl_threads": threads})
         emit({**run_raypai(str(out / "sft"), out, args, 0.04, "raypai_grpo_beta"), **common})

@@ -1,15 +1,18 @@
 """Pretraining throughput and checkpoint stall: raypai (Ray Train + DeepSpeed) vs a bare PyTorch loop.
 
-    .venv/bin/python benchmarks/pretrain.py                 # ≈ 5 min on 2 cores; one JSON line per result
+    .venv/bin/python benchmarks/pretrain.py                 # ≈ 8 min on 2 cores; one JSON line per result
     .venv/bin/python benchmarks/pretrain.py --steps 40 --ckpt-model-hidden 512
     .venv/bin/python benchmarks/pretrain.py --grad-accum 4 --skip-checkpoint   # 4 micro-batches per step, both sides
 
 Results (baselines measured in the same run):
 - `bare_loop`: a single-process PyTorch loop (same model, micro-batch, AdamW, clipping, schedule,
   1 thread) — the per-core ceiling; measured before and after the Ray runs to bracket drift.
-- `raypai_workers_1`, `raypai_workers_2`: steady-state tokens/s of raypai's loop (ZeRO-2, 1 thread
-  per worker, first 3 steps excluded), its per-core ratio to the bare loop (target ≥ 0.9) and the
-  1 → 2 worker scaling efficiency.
+- `bare_loops_2_concurrent`: two bare loops at once, one process each with no communication: the
+  per-core rate two cores of this machine give two independent trainings (the hardware ceiling of
+  a 2-worker run; `vs_concurrent_bare_loops_per_core` compares against it).
+- `raypai_workers_1`, `raypai_workers_2`: steady-state tokens/s of raypai's loop (1 thread per
+  worker, first 3 steps excluded) for each ZeRO stage in `--zero-stages` (default 0 and 2), its
+  per-core ratio to the bare loop (target ≥ 0.9) and the 1 → 2 worker scaling efficiency.
 - `checkpoint_stall`: seconds the loop is blocked per checkpoint with asynchronous vs synchronous
   saving (target: async ≤ 10% of sync), on a larger model so the state is worth writing.
 """
@@ -70,6 +73,27 @@ def bare_loop(cfg: PretrainConfig, tokens: np.ndarray, warm: int = 3) -> dict:
     return {"mean": per_step * len(times) / sum(times), "median": per_step / statistics.median(times)}
 
 
+def _bare_worker(cfg: PretrainConfig, tokens: np.ndarray, queue) -> None:
+    queue.put(bare_loop(cfg, tokens))
+
+
+def bare_loops_concurrent(cfg: PretrainConfig, tokens: np.ndarray, n: int = 2) -> list[dict]:
+    """n bare loops at the same time, one process each (no communication between them): what n
+    cores of this machine give n independent single-core trainings (shared caches, memory
+    bandwidth, clocks), the hardware ceiling of an n-worker run."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_bare_worker, args=(cfg, tokens, queue)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    out = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return out
+
+
 def raypai_run(cfg: PretrainConfig, shards: Path, work: Path, name: str) -> dict:
     res = pretrain(shards, None, work / f"model-{name}", cfg, name=name, storage_path=work / "store", resume=False)
     return res["metrics"]
@@ -86,7 +110,10 @@ def main() -> None:
     ap.add_argument("--ckpt-model-hidden", type=int, default=512)
     ap.add_argument("--ckpt-steps", type=int, default=24)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (both sides)")
-    ap.add_argument("--zero-stage", type=int, default=2, choices=(0, 1, 2))
+    ap.add_argument("--zero-stages", default="0,2",
+                    help="ZeRO stages for the throughput runs, comma-separated (0: what strategy='auto' picks when "
+                         "the state fits per worker, as here; 2: partitioned gradients and optimizer state)")
+    ap.add_argument("--ckpt-zero-stage", type=int, default=2, choices=(0, 1, 2))
     ap.add_argument("--skip-checkpoint", action="store_true", help="throughput only, no checkpoint-stall runs")
     ap.add_argument("--only-checkpoint", action="store_true", help="checkpoint-stall runs only")
     ap.add_argument("--deepspeed", default="{}", help="JSON merged over raypai's DeepSpeed config (raypai runs only)")
@@ -103,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the workers' thread count: the peak is per worker
     peak = measure_peak_flops(1.0)
     base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, grad_accum=args.grad_accum,
-                          lr=1e-3, zero_stage=args.zero_stage, deepspeed_config=json.loads(args.deepspeed),
+                          lr=1e-3, zero_stage=args.ckpt_zero_stage, deepspeed_config=json.loads(args.deepspeed),
                           workers=2, threads_per_worker=1, eval_every=args.steps, eval_blocks=8,
                           checkpoint_every=10**6, log_every=10, peak_flops_per_worker=peak, memory_budget_gb=8)
     n_params = sum(p.numel() for p in build_model(model, 2048).parameters())
@@ -114,34 +141,46 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         if not args.only_checkpoint:
-            throughput(base, common, shards, tokens, work)
+            stages = [int(x) for x in args.zero_stages.split(",")]
+            throughput(base, stages, common, shards, tokens, work)
         if not args.skip_checkpoint:
             checkpoint_stall(args, base, model, shards, work)
     finally:
         ray.shutdown()
 
 
-def throughput(base: PretrainConfig, common: dict, shards: Path, tokens: np.ndarray, work: Path) -> None:
-    """Bare loop (before and after), raypai with 1 and 2 workers, and the scaling between them."""
+def throughput(base: PretrainConfig, stages: list[int], common: dict, shards: Path, tokens: np.ndarray,
+               work: Path) -> None:
+    """Bare loop (before and after), raypai with 1 and 2 workers per ZeRO stage, and the scaling."""
     bare_before = bare_loop(base, tokens)
-    one = raypai_run(replace(base, workers=1), shards, work, "w1")
-    two = raypai_run(base, shards, work, "w2")
+    runs = {(stage, workers): raypai_run(replace(base, zero_stage=stage, workers=workers), shards, work,
+                                         f"z{stage}-w{workers}")
+            for stage in stages for workers in (1, 2)}
     bare_after = bare_loop(base, tokens)
+    pair = bare_loops_concurrent(base, tokens)
     bare = {k: statistics.mean([bare_before[k], bare_after[k]]) for k in ("mean", "median")}
+    pair_mean = statistics.mean(b["mean"] for b in pair)  # per process (per core)
     emit({"bench": "pretrain", "result": "bare_loop", "tokens_per_s": round(bare["mean"], 1),
           "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
           "after": round(bare_after["median"], 1), **common})
-    for workers, m in ((1, one), (2, two)):
-        emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": base.zero_stage,
-              "deepspeed_overrides": base.deepspeed_config,
-              "tokens_per_s": round(m["tokens_per_s_steady"], 1),
-              "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
-              "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
-              "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
-              "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
-    emit({"bench": "pretrain", "result": "scaling_1_to_2_workers",
-          "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
-          "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3), **common})
+    emit({"bench": "pretrain", "result": "bare_loops_2_concurrent", "tokens_per_s_per_core": round(pair_mean, 1),
+          "per_process": [round(b["mean"], 1) for b in pair],
+          "vs_one_bare_loop": round(pair_mean / bare["mean"], 3), **common})
+    for stage in stages:
+        one, two = runs[(stage, 1)], runs[(stage, 2)]
+        for workers, m in ((1, one), (2, two)):
+            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": stage,
+                  "deepspeed_overrides": base.deepspeed_config,
+                  "tokens_per_s": round(m["tokens_per_s_steady"], 1),
+                  "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+                  "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
+                  "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
+                  "vs_concurrent_bare_loops_per_core": round(m["tokens_per_s_steady"] / workers / pair_mean, 3),
+                  "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
+        emit({"bench": "pretrain", "result": "scaling_1_to_2_workers", "zero_stage": stage,
+              "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
+              "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3),
+              **common})
 
 
 def checkpoint_stall(args, base: PretrainConfig, model: ModelConfig, shards: Path, work: Path) -> None:

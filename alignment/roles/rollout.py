@@ -25,11 +25,13 @@ class Rollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], *, n: int = 1, max_new_tokens: int = 8, temperature: float = 1.0,
-                 top_p: float = 1.0, stop: tuple[str, ...] = ()) -> dict:
+                 top_p: float = 1.0, stop: tuple[str, ...] = (), logprobs: bool = False) -> dict:
         """n samples per prompt, grouped prompt by prompt; temperature 0 is greedy. Generation stops
         at the chat end token, EOS or any token in `stop`; the stop token stays in the completion's
         ids (the policy learns to stop) but not in its text. Returns completion texts, token ids
-        (prompt + completion), response masks and a right-padded training batch."""
+        (prompt + completion), response masks and a right-padded training batch; with `logprobs`
+        also the per-token log-probs of that batch under the weights that sampled it (B, T−1),
+        which an off-policy update needs as its behaviour log-probs."""
         stops = [self.end_id, self.tok.eos_token_id, *self._stop_ids(stop)]
         texts = [chat_prompt(self.tok, p) for p in prompts for _ in range(n)]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -51,7 +53,10 @@ class Rollout:
             seqs.append(prompt_ids + comp)
             masks.append([0] * len(prompt_ids) + [1] * len(comp))
         batch = pad(seqs, masks, self.tok.pad_token_id)
-        return {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks}
+        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks}
+        if logprobs:
+            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+        return out
 
     def _stop_ids(self, stop: tuple[str, ...]) -> list[int]:
         ids = [self.tok.convert_tokens_to_ids(s) for s in stop]

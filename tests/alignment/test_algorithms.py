@@ -78,6 +78,21 @@ def test_grpo_raises_held_out_exact_match_over_sft(sft, tmp_path):
         assert key in logged, key
 
 
+def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sft, tmp_path):
+    """The next batch is generated while this one trains; the update's ratio is taken against the
+    log-probs of the weights that sampled it, and held-out exact match still rises over SFT."""
+    logger = Sink()
+    cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
+                     eval_every=15, async_rollout=True)
+    g = run_grpo(sft[0], str(tmp_path / "grpo-async"), TRAIN, HELD, cfg, run_name="t-grpo-async", logger=logger)
+    assert g["eval_accuracy_after"] > g["eval_accuracy_before"], g
+    steps = [m for s, m in logger.rows if s is not None]
+    assert len(steps) == 30 and [m["policy_lag_steps"] for m in steps] == [0] + [1] * 29
+    # stale samples: the ratio leaves 1 and some tokens are clipped (on-policy μ = 1 never clips)
+    assert max(m["clip_fraction"] for m in steps) > 0
+    assert all(m["sync_bytes"] > 0 for m in steps[1:])
+
+
 def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path):
     """Pairs come only from the policy's samples ranked by the rule reward; the held-out pairs
     (right answer vs a near miss) are never trained on, yet their implicit-reward ranking improves."""
