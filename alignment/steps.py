@@ -50,10 +50,13 @@ def reward_model(ctx: StepContext, sft_model: Artifact, steps: int = 300, lr: fl
 @step(cpus=0.5)
 def grpo(ctx: StepContext, sft_model: Artifact, reward_model: Artifact | None = None, steps: int = 40,
          prompts_per_step: int = 16, group_size: int = 8, lr: float = 5e-4, beta: float = 0.0,
-         aggregation: str = "dapo", reward_model_weight: float = 0.0, seed: int = 0) -> Artifact:
-    """GRPO with the exact-answer rule reward (plus the reward model, weighted, when given)."""
+         aggregation: str = "dapo", reward_model_weight: float = 0.0, seed: int = 0,
+         async_rollout: bool = False) -> Artifact:
+    """GRPO with the exact-answer rule reward (plus the reward model, weighted, when given);
+    `async_rollout` overlaps generation with training, one step off-policy (docs/alignment.md)."""
     cfg = GRPOConfig(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, lr=lr, beta=beta,
                      aggregation=aggregation, reward_model_weight=reward_model_weight if reward_model else 0.0,
+                     async_rollout=async_rollout,
                      seed=seed, eval_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4), max_new_tokens=4)
     train, held = ar.split(seed=seed)
     # the checkpoint folder is keyed by inputs + config, so a retried step resumes its own run
