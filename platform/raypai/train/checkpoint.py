@@ -160,7 +160,6 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._pending: tuple[Path, dict, int] | None = None
         self._error: BaseException | None = None
-        self._copied = None  # a CUDA event the writer waits on before serializing
 
     def save(self, metrics: dict, *, next_step: int) -> float:
         """Take the snapshot and start writing it; returns the seconds the loop was stalled."""
@@ -175,21 +174,21 @@ class AsyncCheckpointer:
         finally:
             self.engine.checkpoint_engine = real
         small = {"folder": folder, "next_step": next_step, "rank": self.rank, "rng": _rng_state()}  # RNG: a copy, now
-        self._copied = _cuda_event()
-        self._thread = threading.Thread(target=self._write, args=(snap.items, small), name="raypai-ckpt-writer",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(snap.items, small, _cuda_event()),
+                                        name="raypai-ckpt-writer", daemon=True)
         self._thread.start()
         self._pending = (folder, dict(metrics), next_step)
         t2 = time.perf_counter()
         self.stall["snapshot"] += t2 - t1
         return t2 - t0
 
-    def _write(self, items: list, small: dict) -> None:
+    def _write(self, items: list, small: dict, copied) -> None:
+        """`copied`: the CUDA event after the snapshot's device-to-host copies (None on CPU)."""
         import torch
 
         try:
-            if self._copied is not None:
-                self._copied.synchronize()
+            if copied is not None:
+                copied.synchronize()
             for path, state in items:
                 torch.save(state, path)
             _write_small_files(**small)
