@@ -148,3 +148,21 @@ def test_bad_inputs_fail_before_training_with_the_fix(shards, tokenizer_dir, tmp
     with pytest.raises(ConfigError):
         plan(folder, _cfg(steps=0))
     assert plan(folder, _cfg(), tokenizer_dir=tokenizer_dir)[1]["vocab_size"] == 64
+
+
+def test_init_from_a_local_hf_folder_starts_from_its_weights(reference, shards, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raypai.train import build_model
+
+    folder, _ = shards
+    src = reference[2]["model"]  # the exported model of the 2-worker ZeRO-2 run
+    model = build_model(ModelConfig(init_from=str(src)), 64)
+    exported = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    assert model.state_dict().keys() == exported.keys()
+    assert all(torch.equal(v, exported[k]) for k, v in model.state_dict().items())
+    _, info = plan(folder, _cfg(model=ModelConfig(init_from=str(src))))
+    assert info["n_params"] == reference[2]["result"]["info"]["n_params"]  # the shape comes from the folder
+    with pytest.raises(TrainError, match="init_from=.*not a Hugging Face model folder"):
+        plan(folder, _cfg(model=ModelConfig(init_from=str(tmp_path))))
