@@ -37,6 +37,7 @@ def test_raypai_train_shows_progress_and_writes_a_loadable_model(shards, tokeniz
     assert out.returncode == 0, text
     # progress from rank 0 reaches the terminal every log_every steps, then the summary
     assert "step 2/8 loss" in text and "step 8/8 loss" in text, text
+    assert "[####################] 100% ~0s left" in text and "25% ~" in text, text
     assert "model written to" in out.stdout and '"eval_loss"' in out.stdout
     AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert (tmp_path / "home" / "train" / "cli-run").is_dir()  # checkpoints under RAYPAI_HOME, by run name

@@ -108,6 +108,7 @@ def train_loop(loop_cfg: dict) -> None:
     metrics: dict = {}
     saver = checkpoint.AsyncCheckpointer(engine, rank) if cfg.async_checkpoint else None
 
+    loop_start = time.perf_counter()  # for the progress line's percentage and time left
     for step in range(start_step, cfg.steps):
         _fault_drill(cfg, step, rank, world, loop_cfg.get("run_dir", ""))
         t0 = time.perf_counter()
@@ -134,8 +135,10 @@ def train_loop(loop_cfg: dict) -> None:
             metrics["mfu"] = mfu(metrics["tokens_per_s"], fpt, peak * world)
             window_losses, window_time = [], 0.0
             if rank == 0:
+                left = (time.perf_counter() - loop_start) / (done - start_step) * (cfg.steps - done)
                 print(f"[raypai.train] step {done}/{cfg.steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-                      f"tok/s {metrics['tokens_per_s']:.0f} mfu {metrics['mfu']:.3f}", flush=True)
+                      f"tok/s {metrics['tokens_per_s']:.0f} mfu {metrics['mfu']:.3f} "
+                      f"[{_bar(done / cfg.steps)}] {100 * done / cfg.steps:.0f}% ~{left:.0f}s left", flush=True)
         if done % cfg.eval_every == 0 or done == cfg.steps:
             metrics.update(_evaluate(engine, eval_tokens, cfg, rank, world))
         if logger is not None and len(metrics) > 2:
@@ -165,6 +168,12 @@ def train_loop(loop_cfg: dict) -> None:
         final.update({f"checkpoint_stall_{part}_s": v for part, v in saver.stall.items()})
         final["checkpoint_snapshot_buffer_mb"] = saver.buffers.nbytes / 2**20
     checkpoint.save(engine, final, next_step=cfg.steps, rank=rank, final=True)
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    """A text progress bar: `#####...............` (log lines from a Ray worker cannot redraw in place)."""
+    filled = round(fraction * width)
+    return "#" * filled + "." * (width - filled)
 
 
 def _window_metrics(engine, losses: list[float], step_time: float, world: int, stragglers, *,
