@@ -4,21 +4,23 @@ section timer and the run summary."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import ray
 import torch
 
 from raypai.alignment._tensors import pad
+from raypai.errors import RaypaiError
 
 
 @dataclass
 class Samples:
     batch: dict  # right-padded input_ids / attention_mask (B, T), response_mask (B, T−1)
-    prompts: list[str]  # (B,) the prompt of every sample, n consecutive samples per prompt
-    completions: list[str]  # (B,) decoded completions (without the end token)
-    rows: dict  # per-sample task fields for reward functions, e.g. {"answer": [...]}
+    prompts: list  # (B,) the prompt of every sample (a string or messages), n consecutive samples per prompt
+    completions: list[str]  # (B,) decoded completions (without the stop token)
+    rows: dict  # per-sample extra dataset columns for the reward functions, e.g. {"answer": [...]}
     behaviour_lp: torch.Tensor | None = None  # (B, T−1) log-probs under the weights that sampled them
+    weights_version: int = 0  # the oldest trainer update count among the replicas that sampled
 
 
 @dataclass
@@ -31,8 +33,8 @@ class Pending:
 
 def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
            logprobs: bool = False) -> Pending:
-    """Start sampling n completions per problem; the problems are split across the replicas,
-    groups stay together. Returns at once."""
+    """Start sampling n completions per prompt (PromptExample); the prompts are split across the
+    replicas, groups stay together. Returns at once."""
     chunks = [problems[i::len(rollouts)] for i in range(len(rollouts))]
     refs = [r.generate.remote([p.prompt for p in c], n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, logprobs=logprobs) for r, c in zip(rollouts, chunks) if c]
@@ -51,10 +53,9 @@ def collect(pending: Pending, *, pad_id: int) -> Samples:
             lp = o["logprobs"]
             behaviour[row:row + lp.shape[0], :lp.shape[1]] = lp
             row += lp.shape[0]
-    fields = [{k: v for k, v in asdict(p).items() if k != "prompt"} for p in order]
-    rows = {k: [f[k] for f in fields for _ in range(n)] for k in (fields[0] if fields else {})}
+    rows = {k: [p.extras[k] for p in order for _ in range(n)] for k in (order[0].extras if order else {})}
     return Samples(batch, [p.prompt for p in order for _ in range(n)], [c for o in outs for c in o["completions"]],
-                   rows, behaviour)
+                   rows, behaviour, min((o.get("weights_version", 0) for o in outs), default=0))
 
 
 def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,
@@ -62,6 +63,17 @@ def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_token
     """n samples per problem, waited for (`launch` then `collect`)."""
     return collect(launch(rollouts, problems, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
                    pad_id=pad_id)
+
+
+def score(reward, prompts: list, completions: list[str], rows: dict) -> dict:
+    """The Reward actor's scores; a reward function's own error (wrong length, NaN) is raised as
+    itself, naming the function and the sample, not wrapped in Ray's task error."""
+    try:
+        return ray.get(reward.score.remote(prompts, completions, rows))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, RaypaiError):
+            raise e.cause from None
+        raise
 
 
 class Sections:

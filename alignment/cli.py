@@ -1,62 +1,116 @@
-"""`raypai align ALGO MODEL_DIR OUT_DIR --config cfg.yaml`: run one alignment algorithm on the
-arithmetic task from an HF model folder.
+"""`raypai align` and `raypai model import`: alignment on the user's own model, data and rewards.
 
-    raypai align sft base_model/ sft_model/ --config sft.yaml
-    raypai align grpo sft_model/ grpo_model/ --config grpo.yaml   # re-run to resume from grpo_model.ckpt/
+    raypai model import ./Qwen2-0.5B-Instruct --name qwen-base          # an HF folder → artifact store + registry
+    raypai align sft --model models:/qwen-base@base --data chats.jsonl --out sft_model/
+    raypai align dpo --model sft_model/ --data prefs.jsonl --eval-data prefs_eval.jsonl --out dpo_model/
+    raypai align grpo --model sft_model/ --data prompts.jsonl --reward my_pkg.rewards:accuracy=1 \\
+        --reward my_pkg.rewards:brevity=0.1 --config grpo.yaml --out grpo_model/   # re-run resumes from OUT.ckpt/
 
-The config file holds the fields of the algorithm's config class (SFTConfig, RewardModelConfig,
-DPOConfig, GRPOConfig, PPOConfig in raypai.alignment.config); unknown or invalid fields are all
-reported before anything starts.
+--config holds the fields of the algorithm's config class (SFTConfig, RewardModelConfig, DPOConfig,
+GRPOConfig, PPOConfig in raypai.alignment.config). The data, the model folder, the reward import
+paths and the config are all checked before Ray starts.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
+KINDS = {"sft": "sft", "reward_model": "preference", "dpo": "preference", "online_dpo": "prompt", "grpo": "prompt",
+         "ppo": "prompt"}
+
+model_app = typer.Typer(help="Bring existing Hugging Face models into the artifact store and registry.",
+                        no_args_is_help=True)
+
 
 def align_command(algo: str = typer.Argument(..., help="sft | reward_model | dpo | online_dpo | grpo | ppo"),
-                  model_dir: Path = typer.Argument(..., help="HF model folder to start from"),
-                  out_dir: Path = typer.Argument(..., help="where the aligned model is written"),
-                  config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options")):
-    """Align a model on the arithmetic demo task (policy, reference and reward as Ray actors)."""
-    import ray
+                  model: str = typer.Option(..., "--model", help="HF model folder or models:/NAME@ALIAS"),
+                  data: str = typer.Option(..., "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder"),
+                  out: Path = typer.Option(..., "--out", help="where the aligned model is written"),
+                  eval_data: Optional[str] = typer.Option(None, "--eval-data", help="held-out data (default: a split)"),
+                  reward: List[str] = typer.Option([], "--reward", help="pkg.mod:fn[=weight], repeatable"),
+                  reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model folder"),
+                  pairs: Optional[str] = typer.Option(None, "--eval-pairs",
+                                                      help="online_dpo: held-out preference pairs"),
+                  config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options"),
+                  eval_fraction: float = typer.Option(0.1, help="held out when --eval-data is not given")):
+    """Align a model on your data (policy, reference, reward, critic as Ray actors)."""
     import yaml
 
     from raypai.alignment import config as C
+    from raypai.alignment import data as D
+    from raypai.alignment.models import resolve_model
+    from raypai.alignment.rewards import resolve
+    from raypai.errors import ConfigError
+    from raypai.settings import Settings
+
+    if algo not in KINDS:
+        raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(KINDS)}"], what="raypai align")
+    # everything is validated before Ray starts
+    cfg = C.from_dict(algo, (yaml.safe_load(config.read_text()) or {}) if config else {})
+    settings = Settings.load()
+    model_dir = resolve_model(model, settings.mlflow_tracking_uri, cache_dir=settings.home / "cache" / "models")
+    kind = KINDS[algo]
+    train = D.load(data, kind)
+    held = D.load(eval_data, kind) if eval_data else None
+    if held is None:
+        train, held = D.split(train, eval_fraction, cfg.seed)
+    rewards = resolve(reward)
+    eval_pairs = D.load(pairs, "preference") if pairs else None
+    if algo == "online_dpo" and eval_pairs is None:
+        raise ConfigError(["online_dpo needs --eval-pairs (held-out preference pairs to measure)"], what="raypai align")
+
+    from raypai.runner import init_ray
+
+    init_ray(settings)
+    res = _run(algo, model_dir, str(out), train, held, cfg, rewards, reward_model, eval_pairs)
+    typer.echo(json.dumps(res, indent=1, default=str))
+
+
+def _run(algo, model_dir, out, train, held, cfg, rewards, reward_model, eval_pairs):
+    import ray
+
     from raypai.alignment.dpo import run_dpo
     from raypai.alignment.grpo import run_grpo
     from raypai.alignment.ppo import run_ppo
     from raypai.alignment.reward_model import train_reward_model
     from raypai.alignment.sft import run_sft
-    from raypai.alignment.tasks import arithmetic as ar
-    from raypai.settings import Settings
 
-    cfg = C.from_dict(algo, yaml.safe_load(config.read_text()) or {} if config else {})  # validated before Ray starts
-    train, held = ar.split(seed=cfg.seed)
-    model, out = str(model_dir), str(out_dir)
-    settings = Settings.load()
-    if settings.ray_address:
-        ray.init(address=settings.ray_address)
-    else:  # logical CPUs: the roles are small and share the cores (as the pipeline runner does)
-        ray.init(address="local", num_cpus=settings.ray_num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False)
     try:
         if algo == "sft":
-            res = run_sft(model, out, ar.sft_rows(train), ar.sft_rows(held), cfg)
-        elif algo == "reward_model":
-            res = train_reward_model(model, out, ar.preference_pairs(train, cfg.seed, 1),
-                                     ar.preference_pairs(train, cfg.seed + 7, 1), cfg)
-        elif algo == "grpo":
-            res = run_grpo(model, out, train, held, cfg, checkpoint_dir=out + ".ckpt")
-        elif algo == "ppo":
-            res = run_ppo(model, out, train, held, cfg, checkpoint_dir=out + ".ckpt")
-        else:  # dpo, online_dpo (the config knows which)
-            res = run_dpo(model, out, ar.preference_pairs(train, cfg.seed, 1), ar.preference_pairs(held, cfg.seed + 1),
-                          cfg, problems=train, held_out=held)
+            return run_sft(model_dir, out, train, held, cfg)
+        if algo == "reward_model":
+            return train_reward_model(model_dir, out, train, held, cfg)
+        if algo == "dpo":
+            return run_dpo(model_dir, out, train, held, cfg)
+        if algo == "online_dpo":
+            return run_dpo(model_dir, out, [], eval_pairs, cfg, prompts=train, held_out=held, rewards=rewards)
+        run = run_grpo if algo == "grpo" else run_ppo
+        return run(model_dir, out, train, held, cfg, rewards=rewards, reward_model_dir=reward_model,
+                   checkpoint_dir=out + ".ckpt")
     finally:
         ray.shutdown()
-    typer.echo(json.dumps(res, indent=1))
+
+
+@model_app.command("import")
+def import_command(path: Path = typer.Argument(..., help="an HF causal-LM folder (config.json, weights, tokenizer)"),
+                   name: str = typer.Option(..., "--name", help="registered model name"),
+                   alias: str = typer.Option("base", help="registry alias set on the new version")):
+    """Copy an HF model folder into the artifact store and register it (a lineage root)."""
+    from raypai.alignment.models import check_causal_lm
+    from raypai.alignment.steps import model_import
+    from raypai.cli.render import Progress
+    from raypai.runner import Runner
+    from raypai.settings import Settings
+
+    check_causal_lm(path, "imported")  # before Ray starts
+    result = Runner(Settings.load(), progress=Progress()).run(
+        model_import.build(path=str(path.absolute()), name=name, alias=alias))
+    if not result.ok:
+        raise typer.Exit(1)
+    art = result.result
+    typer.echo(json.dumps({"model": name, "alias": alias, "artifact_id": art.id, "digest": art.digest,
+                           "uri": f"models:/{name}@{alias}"}, indent=1))

@@ -14,6 +14,11 @@ def _positive(cfg, names, problems):
     for n in names:
         if getattr(cfg, n) <= 0:
             problems.append(f"{type(cfg).__name__}.{n} must be > 0 (got {getattr(cfg, n)})")
+    if getattr(cfg, "truncation", "refuse") not in ("refuse", "truncate"):
+        problems.append(f"{type(cfg).__name__}.truncation must be 'refuse' or 'truncate' (got {cfg.truncation!r}): "
+                        "what happens to an example longer than max_length")
+    if getattr(cfg, "max_length", 0) < 0:
+        problems.append(f"{type(cfg).__name__}.max_length must be ≥ 0 (got {cfg.max_length}); 0 = the model's context")
     zero = getattr(cfg, "zero_stage", 0)
     if zero not in (0, 1, 2):
         problems.append(f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
@@ -29,6 +34,9 @@ class SFTConfig:
     zero_stage: int = 0
     seed: int = 0
     log_every: int = 20
+    max_length: int = 0  # tokens per example; 0 = the model's context length
+    truncation: str = "refuse"  # refuse (DataError naming the example) | truncate (cut, counted)
+    ptx_coef: float = 0.0  # weight of the pretraining LM loss mixed in when pretraining blocks are given
 
     def validate(self):
         p = []
@@ -46,6 +54,8 @@ class RewardModelConfig:
     lr: float = 5e-4  # full fine-tune of the SFT model; 2e-3 overfit the tiny models (held-out pairs 0.6 vs 0.8-0.9)
     margin: float = 0.0  # m in −log σ(r_w − r_l − m) (Llama 2 §3.2.2); 0 = plain Bradley–Terry
     seed: int = 0
+    max_length: int = 0
+    truncation: str = "refuse"
 
     def validate(self):
         p = []
@@ -70,6 +80,8 @@ class DPOConfig:
     max_new_tokens: int = 6
     zero_stage: int = 0
     seed: int = 0
+    max_length: int = 0
+    truncation: str = "refuse"
 
     def validate(self):
         p = []
@@ -110,6 +122,8 @@ class GRPOConfig:
     reward_model_weight: float = 0.0  # weight of a trained reward model next to the rule reward
     # generate the next batch while this one trains: one step off-policy, ratio against the sampling weights
     async_rollout: bool = False
+    max_length: int = 0  # prompt + max_new_tokens must fit; 0 = the model's context length
+    truncation: str = "refuse"
 
     def validate(self):
         p = []
@@ -157,6 +171,8 @@ class PPOConfig:
     seed: int = 0
     rollout_replicas: int = 1
     reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
+    max_length: int = 0
+    truncation: str = "refuse"
 
     def validate(self):
         p = []

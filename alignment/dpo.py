@@ -1,12 +1,13 @@
 """DPO (offline pairs, reference log-probs precomputed once by the Reference actor) and online DPO
 (sample n completions per prompt, rank them with the Reward actor, best vs worst).
 
-    from raypai.alignment.dpo import run_dpo
-    from raypai.alignment.tasks import arithmetic as ar
-    train, held_out = ar.split()
-    run_dpo("sft/", "dpo/", ar.preference_pairs(train), ar.preference_pairs(held_out), DPOConfig())
-    run_dpo("sft/", "odpo/", [], ar.preference_pairs(held_out), DPOConfig(online=True), problems=train,
-            held_out=held_out)
+    from raypai.alignment import DPOConfig, run_dpo
+    from raypai.alignment.data import load, split
+    train, held = split(load("prefs.jsonl", "preference"))            # prompt / chosen / rejected
+    run_dpo("sft/", "dpo/", train, held, DPOConfig())
+    prompts, held_prompts = split(load("prompts.jsonl", "prompt"))
+    run_dpo("sft/", "odpo/", [], held, DPOConfig(online=True), prompts=prompts, held_out=held_prompts,
+            rewards=["my_pkg.rewards:accuracy"])
 """
 
 from __future__ import annotations
@@ -16,25 +17,27 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import sample
-from raypai.alignment._tensors import encode, sequence_logprob
+from raypai.alignment._loop import sample, score
+from raypai.alignment._tensors import encode_pairs, pad, sequence_logprob
 from raypai.alignment.config import DPOConfig
-from raypai.alignment.evaluate import accuracy_with
+from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected, dpo_loss
+from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
+from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
 from raypai.alignment.sync import sync_weights
-from raypai.alignment.tasks.arithmetic import Problem, exact_match_reward
 from raypai.errors import ConfigError
 
 
-def _pair_batches(tok, pairs):
-    prompts = [p["prompt"] for p in pairs]
-    return encode(tok, prompts, [p["chosen"] for p in pairs]), encode(tok, prompts, [p["rejected"] for p in pairs])
+def _seq_lp(actor, batch, chunk: int = 64):
+    """Summed response log-probs (B,), computed `chunk` rows at a time (a dataset's pairs need not fit one pass)."""
+    import torch
 
-
-def _seq_lp(actor, batch):
-    return sequence_logprob(ray.get(actor.logprobs.remote(batch)), batch["response_mask"])
+    B = batch["input_ids"].shape[0]
+    parts = [{k: v[i:i + chunk] for k, v in batch.items()} for i in range(0, B, chunk)]
+    lps = ray.get([actor.logprobs.remote(p) for p in parts])
+    return torch.cat([sequence_logprob(lp, p["response_mask"]) for lp, p in zip(lps, parts)])
 
 
 def preference_metrics(policy, ref: ChosenRejected, chosen: dict, rejected: dict, beta: float) -> dict:
@@ -43,19 +46,33 @@ def preference_metrics(policy, ref: ChosenRejected, chosen: dict, rejected: dict
     return {"preference_accuracy": out.accuracy, "margin": out.margin}
 
 
-def run_dpo(model_dir: str, out_dir: str, pairs: list[dict], eval_pairs: list[dict], cfg: DPOConfig, *,
-            run_name: str = "dpo", problems: list[Problem] | None = None, held_out: list[Problem] | None = None,
-            reward_fns=None, logger=None, lineage: dict | None = None) -> dict:
-    """Offline DPO on `pairs` ({prompt, chosen, rejected}) when `cfg.online` is False; online DPO
-    on `problems` otherwise. Preference accuracy and margin are measured on `eval_pairs`; online
-    runs also report held-out greedy exact-match accuracy on `held_out`."""
-    from transformers import AutoTokenizer
-
+def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DPOConfig, *,
+            run_name: str = "dpo", prompts: list | None = None, held_out: list | None = None,
+            rewards=None, logger=None, lineage: dict | None = None) -> dict:
+    """Offline DPO on `pairs` (PreferenceExample) when `cfg.online` is False; online DPO on `prompts`
+    (PromptExample, ranked by `rewards`) otherwise. Preference accuracy and margin are measured on
+    `eval_pairs`; online runs also report the held-out reward of greedy completions on `held_out`."""
     cfg = cfg.validate()
-    if cfg.online and not problems:
-        raise ConfigError(["online DPO needs `problems` to sample from (got none): pass e.g. "
-                           "raypai.alignment.tasks.arithmetic.split()[0]"], what="online DPO inputs")
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    check_causal_lm(model_dir)
+    fmt, trunc = format_and_limit(model_dir, cfg)
+    reward_fns = resolve(rewards)
+    if cfg.online and not prompts:
+        raise ConfigError(["online DPO needs `prompts` to sample from (got none): pass prompt examples, e.g. "
+                           "raypai.alignment.data.load('prompts.jsonl', 'prompt')"], what="online DPO inputs")
+    if cfg.online and not reward_fns:
+        raise ConfigError(["online DPO ranks its samples with rewards: pass rewards=['my_pkg.rewards:fn']"],
+                          what="online DPO inputs")
+    if not cfg.online and not pairs:
+        raise ConfigError(["DPO needs preference pairs (got none)"], what="DPO inputs")
+    if not eval_pairs:
+        raise ConfigError(["DPO needs held-out preference pairs to measure preference accuracy (got none)"],
+                          what="DPO inputs")
+    if cfg.online:
+        check_prompts(fmt, prompts, trunc, cfg.max_new_tokens, "training prompt")
+    ev_c, ev_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")  # bad pairs fail before any actor starts
+    if not cfg.online:
+        all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
+    pad_id = fmt.tok.pad_token_id
     specs = {"policy": RoleSpec(cpus=1), "reference": RoleSpec(cpus=0.5)}
     if cfg.online:
         specs.update(rollout=RoleSpec(cpus=0.5), reward=RoleSpec(cpus=0.25))
@@ -63,31 +80,32 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list[dict], eval_pairs: list[di
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
         [reference] = place.place("reference", Reference, model_dir)
-        ev_c, ev_r = _pair_batches(tok, eval_pairs)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         rng = random.Random(cfg.seed)
         if cfg.online:
             [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed)
-            [reward] = place.place("reward", Reward, reward_fns or [(exact_match_reward, 1.0)])
+            [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
-            acc_before = accuracy_with(rollout, held, cfg.max_new_tokens) if held else None
-        else:
-            all_c, all_r = _pair_batches(tok, pairs)  # reference log-probs of every pair, computed once
+            eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None
+        else:  # reference log-probs of every pair, computed once
             ref_all = ChosenRejected(_seq_lp(reference, all_c), _seq_lp(reference, all_r))
         for step in range(1, cfg.steps + 1):
             if cfg.online:
-                s = sample([rollout], rng.sample(problems, min(cfg.batch_size, len(problems))), cfg.num_samples,
-                           pad_id=tok.pad_token_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-                scores = ray.get(reward.score.remote(s.prompts, s.completions, s.rows))["total"]
-                batch_pairs = best_vs_worst(s.prompts, s.completions, scores, cfg.num_samples)
-                if not batch_pairs:  # every group tied: no preference to learn from this step
+                s = sample([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
+                           pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                scores = score(reward, s.prompts, s.completions, s.rows)["total"]
+                idx_pairs = best_vs_worst_index(scores, cfg.num_samples)
+                if not idx_pairs:  # every group tied: no preference to learn from this step
                     continue
-                c, r = _pair_batches(tok, batch_pairs)
+                # the pair's sequences are the sampled token ids themselves (no re-tokenization)
+                c = _rows(s.batch, [i for i, _ in idx_pairs], pad_id)
+                r = _rows(s.batch, [j for _, j in idx_pairs], pad_id)
+                batch_pairs = idx_pairs
                 ref = ChosenRejected(_seq_lp(reference, c), _seq_lp(reference, r))
             else:
                 idx = [rng.randrange(len(pairs)) for _ in range(cfg.batch_size)]
-                c, r = _pair_batches(tok, [pairs[i] for i in idx])
+                c, r = _rows(all_c, idx, pad_id), _rows(all_r, idx, pad_id)
                 ref = ChosenRejected(ref_all.chosen[idx], ref_all.rejected[idx])
             m = ray.get(policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
                                                cfg.label_smoothing))
@@ -99,9 +117,10 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list[dict], eval_pairs: list[di
         metrics = {"preference_accuracy_before": before["preference_accuracy"],
                    "preference_accuracy_after": after["preference_accuracy"],
                    "margin_before": before["margin"], "margin_after": after["margin"]}
+        metrics["truncated"] = trunc.truncated
         if cfg.online and held:
-            metrics.update(eval_accuracy_before=acc_before,
-                           eval_accuracy_after=accuracy_with(rollout, held, cfg.max_new_tokens))
+            metrics.update(eval_reward_before=eval_before,
+                           eval_reward_after=reward_with(rollout, reward, held, cfg.max_new_tokens))
         ray.get(policy.export.remote(out_dir, {"algorithm": "online_dpo" if cfg.online else "dpo",
                                                "config": asdict(cfg), "metrics": metrics, "lineage": lineage or {}}))
     finally:
@@ -111,14 +130,24 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list[dict], eval_pairs: list[di
     return metrics
 
 
-def best_vs_worst(prompts: list[str], completions: list[str], scores: list[float], n: int) -> list[dict]:
+def best_vs_worst_index(scores: list[float], n: int) -> list[tuple[int, int]]:
     """Online DPO pairs (Guo et al. 2024, "Direct language model alignment from online AI feedback"):
-    per group of n samples of one prompt, the best-scored completion is chosen and the worst rejected;
-    groups whose scores all tie carry no preference and are skipped."""
+    per group of n samples of one prompt, the best-scored sample is chosen and the worst rejected;
+    groups whose scores all tie carry no preference and are skipped. Returns (chosen, rejected) indices."""
     pairs = []
-    for g in range(0, len(prompts), n):
+    for g in range(0, len(scores), n):
         sc = scores[g:g + n]
-        best, worst = max(range(n), key=sc.__getitem__), min(range(n), key=sc.__getitem__)
+        best, worst = max(range(len(sc)), key=sc.__getitem__), min(range(len(sc)), key=sc.__getitem__)
         if sc[best] > sc[worst]:
-            pairs.append({"prompt": prompts[g], "chosen": completions[g + best], "rejected": completions[g + worst]})
+            pairs.append((g + best, g + worst))
     return pairs
+
+
+def _rows(batch: dict, idx: list[int], pad_id: int) -> dict:
+    """Rows `idx` of a right-padded batch, re-padded to their own longest sequence."""
+    seqs, masks = [], []
+    for i in idx:
+        n = int(batch["attention_mask"][i].sum())
+        seqs.append(batch["input_ids"][i, :n].tolist())
+        masks.append([0] + batch["response_mask"][i, :n - 1].long().tolist())
+    return pad(seqs, masks, pad_id)

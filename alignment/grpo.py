@@ -1,9 +1,10 @@
 """GRPO with policy, rollout, reference and reward as separate Ray actors.
 
-    from raypai.alignment.grpo import run_grpo
-    from raypai.alignment.tasks import arithmetic as ar
-    train, held_out = ar.split()
-    run_grpo("sft_model/", "grpo_model/", train, held_out, GRPOConfig(steps=30), checkpoint_dir="ckpt/")
+    from raypai.alignment import GRPOConfig, run_grpo
+    from raypai.alignment.data import load, split
+    train, held_out = split(load("prompts.jsonl", "prompt"))          # `prompt` + columns for the rewards
+    run_grpo("sft_model/", "grpo_model/", train, held_out, GRPOConfig(steps=30),
+             rewards=["my_pkg.rewards:accuracy"], checkpoint_dir="ckpt/")
 
 The loop reads like single-process code: rollout → reference log-probs + rewards → advantages →
 train → sync weights → eval → checkpoint. Re-running with the same `checkpoint_dir` resumes.
@@ -21,45 +22,57 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, collect, launch, mean_of, response_length, throughput, to_tensor
+from raypai.alignment._loop import Sections, collect, launch, mean_of, response_length, score, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import GRPOConfig
-from raypai.alignment.evaluate import accuracy_with
+from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import grpo_advantages
+from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
+from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
 from raypai.alignment.sync import start_sync, sync_weights
-from raypai.alignment.tasks.arithmetic import Problem, exact_match_reward
+from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
 
 
-def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[Problem], cfg: GRPOConfig, *,
-             run_name: str = "grpo", reward_fns=None, reward_model_dir: str | None = None,
+def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRPOConfig, *,
+             run_name: str = "grpo", rewards=None, reward_model_dir: str | None = None,
              checkpoint_dir: str | None = None, logger=None, lineage: dict | None = None) -> dict:
-    """Returns the summary (held-out greedy accuracy before/after, mean samples/s and time split);
-    the aligned policy is written to `out_dir` as an HF folder with `raypai.json`.
-    `reward_fns`: [(callable, weight)], default the exact-answer rule; a reward model scored in
-    with weight `cfg.reward_model_weight` when `reward_model_dir` is given."""
-    from transformers import AutoTokenizer
-
+    """`train`/`held_out`: PromptExample lists (extra columns reach the rewards). `rewards`: callables,
+    'mod:fn[=weight]' import paths or (fn, weight) pairs; a reward model is scored in with weight
+    `cfg.reward_model_weight` when `reward_model_dir` is given. Returns the summary (held-out reward
+    of greedy completions before/after, samples/s and time split); the aligned policy is written to
+    `out_dir` as an HF folder with `raypai.json`."""
     cfg = cfg.validate()
-    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    check_causal_lm(model_dir)
+    reward_fns = resolve(rewards)
     use_rm = bool(reward_model_dir and cfg.reward_model_weight)
+    if not reward_fns and not use_rm:
+        raise ConfigError(["GRPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
+                           "model with reward_model_weight > 0"], what="GRPO inputs")
+    if not train or not held_out:
+        raise ConfigError([f"GRPO needs training and held-out prompts (got {len(train)} and {len(held_out)})"],
+                          what="GRPO inputs")
+    fmt, trunc = format_and_limit(model_dir, cfg)
+    check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
+    check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
+    pad_id = fmt.tok.pad_token_id
     place = Placement(run_name, {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
                                  "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
         rollouts = place.place("rollout", Rollout, model_dir, cfg.seed)
         [reference] = place.place("reference", Reference, model_dir)
-        [reward] = place.place("reward", Reward, reward_fns or [(exact_match_reward, 1.0)],
-                               reward_model_dir if use_rm else None, cfg.reward_model_weight)
+        [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
+                               cfg.reward_model_weight)
         rng = random.Random(cfg.seed)
         start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts) if checkpoint_dir else 0
         if start:
             sync_weights(policy, rollouts)
             print(f"[raypai.grpo] resumed from {checkpoint_dir} at step {start}", flush=True)
-        acc_before = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+        eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
         gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
@@ -84,7 +97,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
             else:
                 old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
             with t("time_reward"):
-                scores = ray.get(reward.score.remote(s.prompts, s.completions, s.rows))
+                scores = score(reward, s.prompts, s.completions, s.rows)
             with t("time_reference"):
                 ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
             rewards = to_tensor(scores["total"])
@@ -104,12 +117,13 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
                        "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
                        "entropy": m["entropy"], "grad_norm": m["grad_norm"], "response_length": response_length(s.batch),
                        **sync, **t.seconds, "samples": len(s.completions),
-                       "policy_lag_steps": int(cfg.async_rollout and step > start + 1),
+                       # measured: trainer updates between the weights that sampled this batch and the update
+                       "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
             if step % cfg.eval_every == 0:
-                metrics["eval_accuracy"] = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
                 print(f"[raypai.grpo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                      f"held-out accuracy {metrics['eval_accuracy']:.3f}", flush=True)
+                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
             if checkpoint_dir and step % cfg.checkpoint_every == 0:
                 metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
                                                          rollouts=rollouts)
@@ -117,8 +131,8 @@ def run_grpo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[
                 logger.log_metrics(metrics, step=step)
             history.append(metrics)
         ray.get(loads)  # the last weights are on every replica before the final evaluation
-        summary = {"eval_accuracy_before": acc_before,
-                   "eval_accuracy_after": accuracy_with(rollouts[0], held_out, cfg.max_new_tokens),
+        summary = {"eval_reward_before": eval_before,
+                   "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),
                    **mean_of(history, ("reward_mean", "sync_seconds", *TIMES)),
                    "sync_bytes": history[-1]["sync_bytes"] if history else 0}

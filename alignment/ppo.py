@@ -1,9 +1,10 @@
 """PPO for RLHF with policy, critic, rollout, reference and reward as separate Ray actors.
 
-    from raypai.alignment.ppo import run_ppo
-    from raypai.alignment.tasks import arithmetic as ar
-    train, held_out = ar.split()
-    run_ppo("sft_model/", "ppo_model/", train, held_out, PPOConfig(steps=30), reward_model_dir="rm/")
+    from raypai.alignment import PPOConfig, run_ppo
+    from raypai.alignment.data import load, split
+    train, held_out = split(load("prompts.jsonl", "prompt"))
+    run_ppo("sft_model/", "ppo_model/", train, held_out, PPOConfig(steps=30), rewards=["my_pkg.rewards:fn"],
+            reward_model_dir="rm/")
 
 Per step: rollout → reference log-probs, critic values, rewards → per-token rewards (score at the
 last token − β·KL) → GAE → μ epochs of clipped policy and value updates → sync → eval → checkpoint.
@@ -16,29 +17,38 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment._loop import Sections, mean_of, response_length, sample, score, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import PPOConfig
-from raypai.alignment.evaluate import accuracy_with
+from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import gae, kl_penalized_rewards, masked_mean, masked_whiten
+from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
+from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
 from raypai.alignment.sync import sync_weights
-from raypai.alignment.tasks.arithmetic import Problem, exact_match_reward
+from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
 
 
-def run_ppo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[Problem], cfg: PPOConfig, *,
-            run_name: str = "ppo", reward_fns=None, reward_model_dir: str | None = None,
+def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOConfig, *,
+            run_name: str = "ppo", rewards=None, reward_model_dir: str | None = None,
             checkpoint_dir: str | None = None, logger=None, lineage: dict | None = None) -> dict:
-    """Returns the summary (held-out greedy accuracy before/after, mean losses and time split);
-    the aligned policy is written to `out_dir`. The critic starts from the reward model when given."""
-    from transformers import AutoTokenizer
-
+    """`train`/`held_out`: PromptExample lists; `rewards` as in run_grpo. Returns the summary
+    (held-out reward before/after, mean losses and time split); the aligned policy is written to
+    `out_dir`. The critic starts from the reward model when given."""
     cfg = cfg.validate()
-    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    check_causal_lm(model_dir)
+    reward_fns = resolve(rewards)
     use_rm = bool(reward_model_dir and cfg.reward_model_weight)
+    if not reward_fns and not use_rm:
+        raise ConfigError(["PPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
+                           "model with reward_model_weight > 0"], what="PPO inputs")
+    fmt, trunc = format_and_limit(model_dir, cfg)
+    check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
+    check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
+    pad_id = fmt.tok.pad_token_id
     place = Placement(run_name, {"policy": RoleSpec(cpus=1), "critic": RoleSpec(cpus=0.5),
                                  "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
                                  "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
@@ -47,14 +57,14 @@ def run_ppo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[P
         [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed)
         rollouts = place.place("rollout", Rollout, model_dir, cfg.seed)
         [reference] = place.place("reference", Reference, model_dir)
-        [reward] = place.place("reward", Reward, reward_fns or [(exact_match_reward, 1.0)],
-                               reward_model_dir if use_rm else None, cfg.reward_model_weight)
+        [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
+                               cfg.reward_model_weight)
         rng = random.Random(cfg.seed)
         start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic) if checkpoint_dir else 0
         if start:
             sync_weights(policy, rollouts)
             print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
-        acc_before = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+        eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
@@ -82,17 +92,17 @@ def run_ppo(model_dir: str, out_dir: str, train: list[Problem], held_out: list[P
                        "samples": len(s.completions),
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
             if step % cfg.eval_every == 0:
-                metrics["eval_accuracy"] = accuracy_with(rollouts[0], held_out, cfg.max_new_tokens)
+                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
                 print(f"[raypai.ppo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                      f"held-out accuracy {metrics['eval_accuracy']:.3f}", flush=True)
+                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
             if checkpoint_dir and step % cfg.checkpoint_every == 0:
                 metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
                                                          rollouts=rollouts, critic=critic)
             if logger is not None:
                 logger.log_metrics(metrics, step=step)
             history.append(metrics)
-        summary = {"eval_accuracy_before": acc_before,
-                   "eval_accuracy_after": accuracy_with(rollouts[0], held_out, cfg.max_new_tokens),
+        summary = {"eval_reward_before": eval_before,
+                   "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),
                    **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES))}
         ray.get(policy.export.remote(out_dir, {"algorithm": "ppo", "config": asdict(cfg), "metrics": summary,

@@ -1,6 +1,10 @@
-"""Supervised fine-tuning on prompt/response pairs; loss on response tokens only.
+"""Supervised fine-tuning on the user's examples (`messages`, or `prompt`/`completion`); the loss
+counts completion / assistant tokens only.
 
-    from raypai.alignment.sft import run_sft
+    from raypai.alignment import SFTConfig, run_sft
+    from raypai.alignment.data import load, split
+    train, held = split(load("chats.jsonl", "sft"), eval_fraction=0.1)
+    run_sft("base_model/", "sft_model/", train, held, SFTConfig(steps=200))
 """
 
 from __future__ import annotations
@@ -9,39 +13,64 @@ import random
 from dataclasses import asdict
 
 import ray
+import torch
 
-from raypai.alignment._tensors import encode
+from raypai.alignment._tensors import batch_of, encode_all
 from raypai.alignment.config import SFTConfig
+from raypai.alignment.models import check_causal_lm, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import PolicyTrainer
+from raypai.errors import DataError
 
 
 def response_loss(policy, batch: dict) -> float:
+    """Mean NLL per completion token (nats) of the policy on a batch."""
     lp = ray.get(policy.logprobs.remote(batch))
     m = batch["response_mask"]
     return (-(lp * m).sum() / m.sum()).item()
 
 
-def run_sft(model_dir: str, out_dir: str, rows: list[dict], eval_rows: list[dict], cfg: SFTConfig, *,
-            run_name: str = "sft", logger=None, lineage: dict | None = None) -> dict:
-    from transformers import AutoTokenizer
+def eval_loss(policy, encoded, pad_id: int, chunk: int = 32) -> float:
+    """Token-weighted mean response NLL over every held-out example."""
+    total, n = 0.0, 0.0
+    for i in range(0, len(encoded), chunk):
+        b = batch_of(encoded, list(range(i, min(i + chunk, len(encoded)))), pad_id)
+        k = b["response_mask"].sum().item()
+        total += response_loss(policy, b) * k
+        n += k
+    return total / n
 
+
+def run_sft(model_dir: str, out_dir: str, train: list, held_out: list, cfg: SFTConfig, *, run_name: str = "sft",
+            logger=None, lineage: dict | None = None, ptx_blocks=None) -> dict:
+    """Trains on `train` (SFTExample list), reports the held-out response NLL before/after and writes
+    the model to `out_dir`. `ptx_blocks` ((N, T) int array of pretraining token blocks) with
+    `cfg.ptx_coef` > 0 mixes their LM loss into every step."""
     cfg = cfg.validate()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    check_causal_lm(model_dir)
+    fmt, trunc = format_and_limit(model_dir, cfg)
+    if not train or not held_out:
+        raise DataError(f"SFT needs training and held-out examples (got {len(train)} and {len(held_out)})")
+    enc_train = encode_all(fmt, train, trunc, "training")  # every example checked before any actor starts
+    enc_eval = encode_all(fmt, held_out, trunc, "held-out")
+    pad_id = fmt.tok.pad_token_id
     place = Placement(run_name, {"policy": RoleSpec(cpus=1)})
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
-        eval_batch = encode(tok, [r["prompt"] for r in eval_rows], [r["response"] for r in eval_rows])
-        before = response_loss(policy, eval_batch)
+        before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
         for step in range(1, cfg.steps + 1):
-            picked = [rng.choice(rows) for _ in range(cfg.batch_size)]
-            batch = encode(tok, [r["prompt"] for r in picked], [r["response"] for r in picked])
-            m = ray.get(policy.sft_step.remote(batch))
+            batch = batch_of(enc_train, [rng.randrange(len(enc_train)) for _ in range(cfg.batch_size)], pad_id)
+            ptx = None
+            if ptx_blocks is not None and cfg.ptx_coef > 0:
+                ptx = torch.as_tensor(ptx_blocks[[rng.randrange(len(ptx_blocks)) for _ in range(cfg.batch_size)]],
+                                      dtype=torch.long)
+            m = ray.get(policy.sft_step.remote(batch, ptx, cfg.ptx_coef))
             if logger is not None and (step % cfg.log_every == 0 or step == cfg.steps):
-                logger.log_metrics({"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]}, step=step)
-        after = response_loss(policy, eval_batch)
-        metrics = {"eval_response_loss_before": before, "eval_response_loss_after": after}
+                logger.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
+        after = eval_loss(policy, enc_eval, pad_id)
+        metrics = {"eval_response_loss_before": before, "eval_response_loss_after": after,
+                   "train_examples": len(train), "eval_examples": len(held_out), "truncated": trunc.truncated}
         ray.get(policy.export.remote(out_dir, {"algorithm": "sft", "config": asdict(cfg), "metrics": metrics,
                                                "lineage": lineage or {}}))
     finally:

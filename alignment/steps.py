@@ -1,128 +1,279 @@
-"""Pipeline steps: sft, reward_model, dpo, online_dpo, grpo, ppo, evaluate — on the arithmetic task.
-Each takes model Artifacts (HF folders) and plain parameters and returns a model Artifact whose
-metadata holds the run's metrics and parent ids (see docs/alignment.md)."""
+"""Pipeline steps for alignment on the user's own model, data and rewards:
+alignment_data, arithmetic_data, sft, reward_model, dpo, online_dpo, grpo, ppo, evaluate.
+
+    data = alignment_data("chats.jsonl", kind="sft")          # the user's files → a dataset artifact (lineage)
+    prefs = alignment_data("prefs.jsonl", kind="preference")
+    sft_model = sft(base, data, config=SFTConfig(steps=200))
+    aligned = dpo(sft_model, prefs, config=DPOConfig(beta=0.1))
+    report = evaluate(aligned, sft_model, prompts, metric="held_out_reward", rewards=["my_pkg.rewards:accuracy"])
+
+Model steps take model Artifacts (HF folders), dataset Artifacts and the algorithm's typed config
+(a dataclass or a plain dict of its fields) and return a model Artifact whose metadata holds the
+run's metrics and parent ids. Without `eval_data`, a seeded `eval_fraction` of the data is held out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+from pathlib import Path
 
-from raypai import Artifact, StepContext, step
-from raypai.alignment.config import DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, SFTConfig
-from raypai.alignment.dpo import run_dpo
-from raypai.alignment.evaluate import accuracy, perplexity
-from raypai.alignment.grpo import run_grpo
-from raypai.alignment.ppo import run_ppo
-from raypai.alignment.reward_model import train_reward_model
-from raypai.alignment.sft import run_sft
-from raypai.alignment.tasks import arithmetic as ar
+from raypai import Artifact, StepContext, pipeline, step
+from raypai.alignment import config as C
+from raypai.alignment import data as D
+from raypai.dsl import canonical
+
+ROWS_FILE = "rows.jsonl"
+
+
+def _cfg(algo: str, value):
+    """The algorithm's validated config from a dataclass, a dict of its fields, or None (defaults)."""
+    if value is None:
+        return C.from_dict(algo, {})
+    if isinstance(value, dict):
+        return C.from_dict(algo, value)
+    return value.validate()
+
+
+def _examples(data: Artifact, eval_data: Artifact | None, kind: str, eval_fraction: float, seed: int):
+    train = D.load(data, kind, name=f"dataset {data.name}")
+    if eval_data is not None:
+        return train, D.load(eval_data, kind, name=f"dataset {eval_data.name}")
+    return D.split(train, eval_fraction, seed)
 
 
 def _save_model(ctx: StepContext, out, name: str, metrics: dict, parents: dict[str, Artifact]) -> Artifact:
     ctx.log_metrics(metrics)
     return ctx.save(out, kind="model", name=name,
-                    metadata={"metrics": metrics, "parents": {k: a.id for k, a in parents.items()}})
+                    metadata={"metrics": metrics, "parents": {k: a.id for k, a in parents.items() if a is not None}})
+
+
+def _lineage(**arts) -> dict:
+    return {k: a.id for k, a in arts.items() if a is not None}
+
+
+def _work_dir(ctx: StepContext, algo: str, *parts) -> str:
+    """A resume folder keyed by the inputs and config, so a retried step continues its own run."""
+    key = hashlib.sha256(canonical([algo, *parts]).encode()).hexdigest()[:16]
+    return str(ctx.settings.home / "work" / f"{algo}-{key}")
+
+
+@step(cpus=0.25)
+def alignment_data(ctx: StepContext, path: str, kind: str = "sft", name: str = "") -> Artifact:
+    """The user's alignment data (JSONL/Parquet file or folder, any pyarrow filesystem URI, or a
+    `datasets.save_to_disk` folder), validated as `kind` (sft | preference | prompt) and committed as
+    a dataset artifact whose lineage reaches the source files."""
+    if kind not in D.KINDS:
+        from raypai.errors import ConfigError
+
+        raise ConfigError([f"kind {kind!r} is unknown; choose one of {', '.join(D.KINDS)}"], what="alignment_data")
+    rows = D.load_rows(path)
+    D.KINDS[kind](rows, path)  # validated now: a bad row fails this step, naming it
+    if "://" not in path and Path(path).exists():
+        ctx.register_source(path)
+    out = ctx.output_dir("data")
+    (out / ROWS_FILE).write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+    meta = {"kind": kind, "rows": len(rows), "columns": sorted(rows[0]), "source": path}
+    (out / "manifest.json").write_text(json.dumps(meta, indent=1))
+    ctx.log_metrics({"rows": len(rows)})
+    return ctx.save(out, kind="dataset", name=name or f"{kind}_data", metadata=meta)
+
+
+@step(cpus=0.25)
+def arithmetic_data(ctx: StepContext, kind: str = "sft", split: str = "train", chat: bool = True,
+                    seed: int = 0) -> Artifact:
+    """The demo's single-digit addition task as a dataset artifact (sft | preference | prompt rows;
+    the held-out split never overlaps the training one)."""
+    from raypai.alignment.tasks import arithmetic as ar
+
+    train, held = ar.split(seed=seed)
+    items = train if split == "train" else held
+    rows = {"sft": lambda: ar.sft_rows(items, chat), "prompt": lambda: ar.prompt_rows(items, chat),
+            "preference": lambda: ar.preference_rows(items, seed + (0 if split == "train" else 7),
+                                                     3 if split == "train" else 1, chat)}[kind]()
+    out = ctx.output_dir("data")
+    ar.write_jsonl(rows, out / ROWS_FILE)
+    meta = {"kind": kind, "rows": len(rows), "columns": sorted(rows[0]), "source": "raypai arithmetic task",
+            "split": split}
+    (out / "manifest.json").write_text(json.dumps(meta, indent=1))
+    return ctx.save(out, kind="dataset", name=f"arithmetic_{kind}_{split}", metadata=meta)
 
 
 @step(cpus=0.5)
-def sft(ctx: StepContext, base_model: Artifact, steps: int = 150, lr: float = 3e-3, batch_size: int = 16,
-        seed: int = 0) -> Artifact:
-    train, held = ar.split(seed=seed)
+def sft(ctx: StepContext, base_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
+        config: C.SFTConfig | dict | None = None, eval_fraction: float = 0.1, ptx_shards: Artifact | None = None) -> Artifact:
+    """SFT on `data` (messages or prompt/completion rows). `ptx_shards` (token shards) with
+    config.ptx_coef > 0 mixes pretraining blocks into every step so SFT keeps what pretraining learned."""
+    from raypai.alignment.sft import run_sft
+
+    cfg = _cfg("sft", config)
+    train, held = _examples(data, eval_data, "sft", eval_fraction, cfg.seed)
+    blocks = None
+    if ptx_shards is not None and cfg.ptx_coef > 0:
+        from raypai.train.data import load_blocks
+
+        _, blocks = load_blocks(ptx_shards.local_path(), "train")
     out = ctx.output_dir("sft")
-    m = run_sft(str(base_model.local_path()), str(out), ar.sft_rows(train), ar.sft_rows(held),
-                SFTConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed),
-                run_name=f"sft-{ctx.step_run_id[:8]}", logger=ctx.logger, lineage={"base_model": base_model.id})
-    m["eval_accuracy"] = accuracy(out, held)
-    return _save_model(ctx, out, "sft_model", m, {"base_model": base_model})
+    m = run_sft(str(base_model.local_path()), str(out), train, held, cfg, run_name=f"sft-{ctx.step_run_id[:8]}",
+                logger=ctx.logger, lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
+                ptx_blocks=blocks)
+    return _save_model(ctx, out, "sft_model", m, {"base_model": base_model, "data": data, "eval_data": eval_data,
+                                                   "ptx_shards": ptx_shards})
 
 
 @step(cpus=0.5)
-def reward_model(ctx: StepContext, sft_model: Artifact, steps: int = 300, lr: float = 5e-4, batch_size: int = 32,
-                 seed: int = 0) -> Artifact:
-    train, held = ar.split(seed=seed)
+def reward_model(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
+                 config: C.RewardModelConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+    """A Bradley–Terry reward model (scalar head on the SFT model) from preference rows."""
+    from raypai.alignment.reward_model import train_reward_model
+
+    cfg = _cfg("reward_model", config)
+    train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
     out = ctx.output_dir("rm")
-    # held-out = pairs with wrong answers the model never saw (the pair split of RM data)
-    m = train_reward_model(str(sft_model.local_path()), str(out), ar.preference_pairs(train, seed, 3),
-                           ar.preference_pairs(train, seed + 7, 1), RewardModelConfig(steps=steps, lr=lr, batch_size=batch_size, seed=seed),
+    m = train_reward_model(str(sft_model.local_path()), str(out), train, held, cfg,
                            run_name=f"rm-{ctx.step_run_id[:8]}", logger=ctx.logger)
-    return _save_model(ctx, out, "reward_model", m, {"sft_model": sft_model})
+    return _save_model(ctx, out, "reward_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
 
 
 @step(cpus=0.5)
-def grpo(ctx: StepContext, sft_model: Artifact, reward_model: Artifact | None = None, steps: int = 40,
-         prompts_per_step: int = 16, group_size: int = 8, lr: float = 5e-4, beta: float = 0.0,
-         aggregation: str = "dapo", reward_model_weight: float = 0.0, seed: int = 0,
-         async_rollout: bool = False) -> Artifact:
-    """GRPO with the exact-answer rule reward (plus the reward model, weighted, when given);
-    `async_rollout` overlaps generation with training, one step off-policy (docs/alignment.md)."""
-    cfg = GRPOConfig(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, lr=lr, beta=beta,
-                     aggregation=aggregation, reward_model_weight=reward_model_weight if reward_model else 0.0,
-                     async_rollout=async_rollout,
-                     seed=seed, eval_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4), max_new_tokens=4)
-    train, held = ar.split(seed=seed)
-    # the checkpoint folder is keyed by inputs + config, so a retried step resumes its own run
-    key = hashlib.sha256(f"{sft_model.digest}{reward_model.digest if reward_model else ''}{cfg}".encode()).hexdigest()[:16]
+def dpo(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
+        config: C.DPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+    """Offline DPO (sigmoid / IPO / hinge, label smoothing) on preference rows."""
+    from raypai.alignment.dpo import run_dpo
+
+    cfg = _cfg("dpo", config)
+    train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
+    out = ctx.output_dir("dpo")
+    m = run_dpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"dpo-{ctx.step_run_id[:8]}",
+                logger=ctx.logger, lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data))
+    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
+
+
+@step(cpus=0.5)
+def online_dpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, eval_pairs: Artifact,
+               rewards: list[str] | None = None, eval_prompts: Artifact | None = None,
+               config: C.DPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+    """Online DPO: `num_samples` completions per prompt ranked by `rewards` (import paths), best vs
+    worst; preference accuracy measured on `eval_pairs`."""
+    from raypai.alignment.dpo import run_dpo
+
+    cfg = _cfg("online_dpo", config)
+    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
+    pairs = D.load(eval_pairs, "preference", name=f"dataset {eval_pairs.name}")
+    out = ctx.output_dir("odpo")
+    m = run_dpo(str(sft_model.local_path()), str(out), [], pairs, cfg, prompts=train, held_out=held,
+                rewards=list(rewards or []), run_name=f"odpo-{ctx.step_run_id[:8]}", logger=ctx.logger,
+                lineage=_lineage(sft_model=sft_model, prompts=prompts, eval_pairs=eval_pairs))
+    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "prompts": prompts,
+                                                       "eval_pairs": eval_pairs, "eval_prompts": eval_prompts})
+
+
+@step(cpus=0.5)
+def grpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[str] | None = None,
+         reward_model: Artifact | None = None, eval_prompts: Artifact | None = None,
+         config: C.GRPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+    """GRPO on prompt rows with `rewards` (import paths 'pkg.mod:fn[=weight]'; extra columns of the
+    rows reach them) plus the reward model, weighted by config.reward_model_weight, when given."""
+    from raypai.alignment.grpo import run_grpo
+
+    cfg = _cfg("grpo", config)
+    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
     out = ctx.output_dir("grpo")
     m = run_grpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"grpo-{ctx.step_run_id[:8]}",
-                 reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                 checkpoint_dir=str(ctx.settings.home / "work" / f"grpo-{key}"), logger=ctx.logger,
-                 lineage={"sft_model": sft_model.id, "reward_model": reward_model.id if reward_model else None})
-    parents = {"sft_model": sft_model, **({"reward_model": reward_model} if reward_model else {})}
-    return _save_model(ctx, out, "aligned_model", m, parents)
+                 rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
+                 checkpoint_dir=_work_dir(ctx, "grpo", sft_model.digest, reward_model.digest if reward_model else "",
+                                          prompts.digest, cfg, rewards), logger=ctx.logger,
+                 lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
+    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
+                                                       "prompts": prompts, "eval_prompts": eval_prompts})
 
 
 @step(cpus=0.5)
-def dpo(ctx: StepContext, sft_model: Artifact, steps: int = 60, lr: float = 5e-4, beta: float = 0.1,
-        loss_type: str = "sigmoid", seed: int = 0) -> Artifact:
-    train, held = ar.split(seed=seed)
-    out = ctx.output_dir("dpo")
-    m = run_dpo(str(sft_model.local_path()), str(out), ar.preference_pairs(train, seed, 1),
-                ar.preference_pairs(train, seed + 7, 1), DPOConfig(steps=steps, lr=lr, beta=beta, loss_type=loss_type,
-                                                               seed=seed),
-                run_name=f"dpo-{ctx.step_run_id[:8]}", logger=ctx.logger, lineage={"sft_model": sft_model.id})
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model})
+def ppo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[str] | None = None,
+        reward_model: Artifact | None = None, eval_prompts: Artifact | None = None,
+        config: C.PPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+    """PPO with a critic (initialised from the reward model when given), `rewards` and the reward model."""
+    from raypai.alignment.ppo import run_ppo
 
-
-@step(cpus=0.5)
-def online_dpo(ctx: StepContext, sft_model: Artifact, steps: int = 40, lr: float = 5e-4, beta: float = 0.1,
-               num_samples: int = 4, seed: int = 0) -> Artifact:
-    """Online DPO: sample `num_samples` answers per prompt, rule reward picks best vs worst."""
-    train, held = ar.split(seed=seed)
-    out = ctx.output_dir("odpo")
-    m = run_dpo(str(sft_model.local_path()), str(out), [], ar.preference_pairs(held, seed + 1),
-                DPOConfig(steps=steps, lr=lr, beta=beta, online=True, num_samples=num_samples, seed=seed,
-                          max_new_tokens=4),
-                problems=train, held_out=held, run_name=f"odpo-{ctx.step_run_id[:8]}", logger=ctx.logger,
-                lineage={"sft_model": sft_model.id})
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model})
-
-
-@step(cpus=0.5)
-def ppo(ctx: StepContext, sft_model: Artifact, reward_model: Artifact | None = None, steps: int = 30,
-        prompts_per_step: int = 16, lr: float = 5e-4, kl_coef: float = 0.05, reward_model_weight: float = 0.2,
-        seed: int = 0) -> Artifact:
-    """PPO with a critic (initialised from the reward model when given) and the exact-answer rule reward."""
-    cfg = PPOConfig(steps=steps, prompts_per_step=prompts_per_step, lr=lr, kl_coef=kl_coef, seed=seed,
-                    reward_model_weight=reward_model_weight if reward_model else 0.0, max_new_tokens=4,
-                    eval_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4))
-    train, held = ar.split(seed=seed)
-    key = hashlib.sha256(f"{sft_model.digest}{reward_model.digest if reward_model else ''}{cfg}".encode()).hexdigest()[:16]
+    cfg = _cfg("ppo", config)
+    if reward_model is None and cfg.reward_model_weight:
+        cfg = dataclasses.replace(cfg, reward_model_weight=0.0)  # no reward model to weigh
+    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
     out = ctx.output_dir("ppo")
     m = run_ppo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"ppo-{ctx.step_run_id[:8]}",
-                reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                checkpoint_dir=str(ctx.settings.home / "work" / f"ppo-{key}"), logger=ctx.logger,
-                lineage={"sft_model": sft_model.id, "reward_model": reward_model.id if reward_model else None})
-    parents = {"sft_model": sft_model, **({"reward_model": reward_model} if reward_model else {})}
-    return _save_model(ctx, out, "aligned_model", m, parents)
+                rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
+                checkpoint_dir=_work_dir(ctx, "ppo", sft_model.digest, reward_model.digest if reward_model else "",
+                                         prompts.digest, cfg, rewards), logger=ctx.logger,
+                lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
+    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
+                                                       "prompts": prompts, "eval_prompts": eval_prompts})
 
 
 @step(cpus=0.5)
-def evaluate(ctx: StepContext, candidate: Artifact, baseline: Artifact, shards: Artifact, seed: int = 0) -> dict:
-    """Held-out arithmetic accuracy and perplexity, candidate vs baseline; `improved` gates promotion."""
-    _, held = ar.split(seed=seed)
-    res = {"accuracy_candidate": accuracy(candidate.local_path(), held),
-           "accuracy_baseline": accuracy(baseline.local_path(), held),
-           "ppl_candidate": perplexity(candidate.local_path(), shards.local_path()),
-           "ppl_baseline": perplexity(baseline.local_path(), shards.local_path())}
-    res["improved"] = res["accuracy_candidate"] > res["accuracy_baseline"]
-    ctx.log_metrics({k: float(v) for k, v in res.items()})
+def evaluate(ctx: StepContext, candidate: Artifact, baseline: Artifact, data: Artifact,
+             metric: str = "held_out_reward", rewards: list[str] | None = None, reward_model: Artifact | None = None,
+             max_new_tokens: int = 16, min_delta: float = 0.0, shards: Artifact | None = None) -> dict:
+    """Candidate vs baseline on held-out `data` in the metric the user names — held_out_reward
+    (prompt rows + `rewards`), response_nll (SFT rows), rm_win_rate (prompt rows + `reward_model`),
+    perplexity (`shards`). Returns {metric, candidate, baseline, improved, ...}; `improved` gates
+    registration aliases and deployment. With `shards`, held-out perplexity of both is reported too."""
+    from raypai.alignment import evaluate as E
+    from raypai.alignment.rewards import resolve
+    from raypai.errors import ConfigError
+
+    if metric not in E.METRICS:
+        raise ConfigError([f"metric {metric!r} is unknown; choose one of {', '.join(E.METRICS)}"], what="evaluate")
+    cand, base = candidate.local_path(), baseline.local_path()
+    res: dict = {"metric": metric}
+    if metric == "held_out_reward":
+        fns = resolve(rewards)
+        if not fns:
+            raise ConfigError(["metric held_out_reward needs rewards=['pkg.mod:fn']"], what="evaluate")
+        prompts = D.load(data, "prompt", name=f"dataset {data.name}")
+        res.update(candidate=E.held_out_reward(cand, prompts, fns, max_new_tokens),
+                   baseline=E.held_out_reward(base, prompts, fns, max_new_tokens))
+    elif metric == "response_nll":
+        ex = D.load(data, "sft", name=f"dataset {data.name}")
+        res.update(candidate=E.response_nll(cand, ex), baseline=E.response_nll(base, ex))
+    elif metric == "rm_win_rate":
+        if reward_model is None:
+            raise ConfigError(["metric rm_win_rate needs reward_model=<reward model artifact>"], what="evaluate")
+        prompts = D.load(data, "prompt", name=f"dataset {data.name}")
+        res.update(candidate=E.rm_win_rate(cand, base, reward_model.local_path(), prompts, max_new_tokens),
+                   baseline=0.5)
+    if shards is not None:
+        res.update(ppl_candidate=E.perplexity(cand, shards.local_path()),
+                   ppl_baseline=E.perplexity(base, shards.local_path()))
+        if metric == "perplexity":
+            res.update(candidate=res["ppl_candidate"], baseline=res["ppl_baseline"])
+    elif metric == "perplexity":
+        raise ConfigError(["metric perplexity needs shards=<token shards artifact>"], what="evaluate")
+    res["improved"] = E.decide(metric, res["candidate"], res["baseline"], min_delta)
+    ctx.log_metrics({k: float(v) for k, v in res.items() if isinstance(v, (int, float, bool))})
     return res
+
+
+@step(cpus=0.25)
+def import_model(ctx: StepContext, path: str, name: str = "", register_as: str = "", alias: str = "base") -> Artifact:
+    """An existing HF causal-LM folder (weights + tokenizer) → a model artifact whose lineage root is
+    the source folder, registered in the MLflow registry as `register_as` (with `alias`) when given,
+    so it can be aligned, evaluated and deployed like a model trained here."""
+    from raypai.alignment.models import check_causal_lm
+    from raypai.train.steps import model_tags
+
+    check_causal_lm(path, "imported")
+    src = ctx.register_source(path, name=name or None)
+    art = ctx.save(path, kind="model", name=name or Path(path).name, metadata={"imported_from": str(path)})
+    if register_as:
+        version = ctx.tracker.register_model(art.local_path(), register_as,
+                                             run_id=ctx.logger.run_id if ctx.logger else None,
+                                             tags=model_tags(ctx, art, {"source": src}), alias=alias or None)
+        ctx.log_metrics({"registered_version": version})
+    return art
+
+
+@pipeline(name="model-import")
+def model_import(path: str, name: str, alias: str = "base"):
+    """`raypai model import DIR --name NAME` as a one-step pipeline (so the import is a recorded run)."""
+    return import_model(path=path, name=name, register_as=name, alias=alias)

@@ -20,4 +20,5 @@ def start_sync(trainer, rollouts: list) -> list:
     submitted to it (an actor runs one caller's tasks in submission order) and before anything
     submitted later. Returns the ObjectRefs of the loaded sizes."""
     state = trainer.state_dict.remote()  # one copy in the object store, shared by every replica
-    return [r.load_weights.remote(state) for r in rollouts]
+    version = trainer.version.remote()
+    return [r.load_weights.remote(state, version) for r in rollouts]

@@ -16,17 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypai.artifacts import digest_dir
+from raypai.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
 from raypai.errors import ConfigError, DataError
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
-EOS, PAD = "<|endoftext|>", "<|pad|>"
-# A chat turn: "<|user|>\n{content}<|end|>\n<|assistant|>\n{content}<|end|>\n"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>\n{{ m['content'] }}<|end|>\n"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>\n{{ m['content'] }}<|end|>\n"
-    "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# raypai's own chat format lives in raypai.chat (one home for special tokens and the template)
 
 
 def _texts(dataset_dir: Path):

@@ -9,6 +9,10 @@ from rich.panel import Panel
 from raypai.cli.render import console
 
 
+def _f(x, digits: int = 2) -> str:
+    return "n/a" if not isinstance(x, (int, float)) else f"{x:.{digits}f}"
+
+
 def print_summary(settings, result) -> None:
     from raypai.store import MetadataStore
 
@@ -19,11 +23,16 @@ def print_summary(settings, result) -> None:
     token = store.create_token(f"demo-{uuid.uuid4().hex[:6]}", ["infer"])
     ev = result.steps.get("evaluate")
     metrics = ev.value if ev is not None and isinstance(ev.value, dict) else {}
+    base = result.steps.get("pretrain")
+    base_ppl = (base.output().metadata or {}).get("eval_ppl") if base is not None and base.outputs else None
+    vocab = (result.steps["tokenize"].output().metadata or {}).get("vocab_size") if "tokenize" in result.steps and \
+        result.steps["tokenize"].outputs else None
     lines = [
         f"[bold]deployed[/] {name} (model version {dep.get('version')}) at {endpoint}",
-        f"held-out arithmetic accuracy: SFT {metrics.get('accuracy_baseline')} → aligned "
-        f"{metrics.get('accuracy_candidate')}; perplexity {metrics.get('ppl_baseline', 0):.1f} → "
-        f"{metrics.get('ppl_candidate', 0):.1f}",
+        f"held-out exact match (share of 20 unseen sums answered right, greedy): SFT {_f(metrics.get('baseline'))} → "
+        f"aligned {_f(metrics.get('candidate'))}; promoted: {metrics.get('improved')}",
+        f"held-out perplexity on the cleaned corpus (lower is better; a uniform guess = vocabulary size {vocab}): "
+        f"pretrained {_f(base_ppl, 1)}, SFT {_f(metrics.get('ppl_baseline'), 1)}, aligned {_f(metrics.get('ppl_candidate'), 1)}",
         "",
         "[bold]try it[/] (token shown once):",
         f"  curl {endpoint}/chat/completions -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "

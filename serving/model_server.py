@@ -18,6 +18,7 @@ import threading
 
 from ray import serve
 
+from raypai.chat import ChatFormat, context_length
 from raypai.serving.engine import Engine, Event, should_admit
 from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
 from raypai.serving.generation import GenRequest, GenResult
@@ -41,9 +42,10 @@ class ModelServer:
         self.model_name, self.version = model, version
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
-        self.context_window = self.model.config.max_position_embeddings
-        end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
-        self.engine = Engine(self.model, self.tok, {t for t in (self.tok.eos_token_id, end) if t is not None},
+        self.context_window = context_length(self.model.config)
+        # stop tokens from the tokenizer, generation_config and the chat template's end-of-turn (raypai.chat)
+        self.chat = ChatFormat.from_pretrained(path, tokenizer=self.tok)
+        self.engine = Engine(self.model, self.tok, set(self.chat.stop_ids),
                              max_batch_size=max_batch_size)
         self.generate_batched.set_max_batch_size(max_batch_size)
         self.generate_batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -60,14 +62,12 @@ class ModelServer:
 
     def _prepare(self, req: GenRequest, prompt: str | None, messages: list[dict] | None) -> GenRequest:
         """Tokenize the prompt (or render the chat with the tokenizer's template) and check it fits."""
-        if messages is not None:
-            if not self.tok.chat_template:
-                raise NoChatTemplate(f"model {self.model_name}/{self.version} has no chat template; "
-                                     "use /v1/completions")
-            prompt = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = self.tok(prompt or "", add_special_tokens=False)["input_ids"]
-        # An empty prompt starts from the document boundary token, as GPT-2-style models were trained.
-        ids = ids or [self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id]
+        if messages is not None and not self.chat.conversational:
+            raise NoChatTemplate(f"model {self.model_name}/{self.version} has no chat template; "
+                                 "use /v1/completions")
+        # the same encoding as training (raypai.chat): template + assistant header, or the plain prompt
+        # (with the tokenizer's BOS where it adds one; an empty prompt starts from the document boundary)
+        ids = self.chat.prompt_ids(messages if messages is not None else (prompt or ""))
         if len(ids) + req.max_tokens > self.context_window:
             raise ContextLengthExceeded(
                 f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context window of "

@@ -20,6 +20,7 @@ class PolicyTrainer:
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.model_dir = model_dir
+        self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         self.engine = make_engine(AutoModelForCausalLM.from_pretrained(model_dir), lr=lr, zero_stage=zero_stage)
 
     def _lp(self, batch):
@@ -28,24 +29,34 @@ class PolicyTrainer:
     def _update(self, loss) -> float:
         self.engine.backward(loss)
         self.engine.step()
+        self.updates += 1
         gn = self.engine.get_global_grad_norm()
         return float(gn) if gn is not None else 0.0
 
-    def sft_step(self, batch: dict) -> dict:
-        """Mean negative log-likelihood of the response tokens only."""
+    def sft_step(self, batch: dict, ptx: torch.Tensor | None = None, ptx_coef: float = 0.0) -> dict:
+        """Mean negative log-likelihood of the response tokens only; with `ptx` (B', T) pretraining
+        blocks, plus ptx_coef × their language-modelling loss (InstructGPT's "PPO-ptx" mix, Ouyang
+        et al. 2022 eq. 2, used here to keep SFT from erasing what pretraining learned)."""
         self.engine.train()
         lp = self._lp(batch)
         m = batch["response_mask"]
         loss = -(lp * m).sum() / m.sum()
-        return {"loss": loss.item(), "grad_norm": self._update(loss)}
+        out = {"loss": loss.item()}
+        if ptx is not None and ptx_coef > 0:
+            lm = -token_logprobs(self.engine, ptx, torch.ones_like(ptx)).mean()
+            loss = loss + ptx_coef * lm
+            out["ptx_loss"] = lm.item()
+        out["grad_norm"] = self._update(loss)
+        return out
 
     def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
                  beta: float, loss_type: str, label_smoothing: float) -> dict:
         self.engine.train()
         pol = ChosenRejected(sequence_logprob(self._lp(chosen), chosen["response_mask"]),
                              sequence_logprob(self._lp(rejected), rejected["response_mask"]))
+        lengths = ChosenRejected(chosen["response_mask"].sum(1), rejected["response_mask"].sum(1))
         out = dpo_loss(pol, ChosenRejected(ref_chosen, ref_rejected), beta=beta, loss_type=loss_type,
-                       label_smoothing=label_smoothing)
+                       label_smoothing=label_smoothing, lengths=lengths)
         return {"loss": out.loss.item(), "accuracy": out.accuracy, "margin": out.margin,
                 "grad_norm": self._update(out.loss)}
 
@@ -53,13 +64,15 @@ class PolicyTrainer:
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
                   max_len: int | None = None) -> dict:
         self.engine.train()
+        version = self.updates
         lp = self._lp(batch)
         old_lp = lp.detach() if old_lp is None else old_lp  # μ = 1: ratio 1, the gradient is the policy gradient
         loss, stats = grpo_loss(lp, old_lp, ref_lp, advantages, batch["response_mask"], clip_eps=clip_eps,
                                 clip_eps_high=clip_eps_high, beta=beta, aggregation=aggregation, max_len=max_len)
         # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
         entropy = -masked_mean(lp.detach(), batch["response_mask"]).item()
-        return {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, **stats}
+        return {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
+                **stats}
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
@@ -76,18 +89,21 @@ class PolicyTrainer:
         with torch.no_grad():
             return self._lp(batch)
 
+    def version(self) -> int:
+        return self.updates
+
     def state_dict(self) -> dict:
         return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
 
     def export(self, out_dir: str, extra: dict | None = None) -> str:
-        """The current policy as an HF folder (weights + the source folder's tokenizer files)."""
-        import shutil
+        """The current policy as an HF folder: weights, the source folder's tokenizer files, and a
+        generation config whose EOS list holds every stop token (plain `generate` stops where raypai does)."""
+        from raypai.chat import ChatFormat, copy_tokenizer_files, write_generation_stops
 
         out = Path(out_dir)
         self.engine.module.save_pretrained(out, safe_serialization=True)
-        for f in Path(self.model_dir).iterdir():
-            if f.is_file() and ("token" in f.name or f.name in ("chat_template.jinja", "generation_config.json")):
-                shutil.copyfile(f, out / f.name)
+        copy_tokenizer_files(self.model_dir, out)
+        write_generation_stops(out, ChatFormat.from_pretrained(self.model_dir).stop_ids)
         if extra is not None:
             (out / "raypai.json").write_text(json.dumps(extra, indent=1, default=str))
         return str(out)

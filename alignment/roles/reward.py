@@ -1,11 +1,40 @@
-"""Reward: any Python callables `reward(prompts, completions, **row) -> list[float]`, a trained
-reward model folder, or several of them with weights."""
+"""Reward: Python callables `fn(prompts, completions, **columns) -> list[float]` (TRL's convention),
+a trained reward model folder, or several of them with weights. Every function's output is checked
+(one finite float per completion) and a bad one is named with the sample that broke it."""
 
 from __future__ import annotations
 
 import torch
 
-from raypai.alignment._tensors import END, chat_prompt
+from raypai.alignment._tensors import pad
+from raypai.alignment.rewards import check_output, name_of
+from raypai.chat import ChatFormat
+
+
+def as_completion(prompt, text: str):
+    """A completion in its prompt's format: conversational prompts get an assistant message."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+class RewardModelScorer:
+    """A scalar-head model (AutoModelForSequenceClassification) scoring prompt + completion."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForSequenceClassification
+
+        self.fmt = ChatFormat.from_pretrained(model_dir)
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        self.model.config.pad_token_id = self.fmt.tok.pad_token_id
+
+    def forward(self, prompts, completions):
+        seqs, masks = zip(*(self.fmt.encode(p, as_completion(p, c) if isinstance(c, str) else c)
+                            for p, c in zip(prompts, completions)))
+        b = pad(list(seqs), list(masks), self.fmt.tok.pad_token_id)
+        return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, 0]
+
+    @torch.no_grad()
+    def scores(self, prompts, completions) -> list[float]:
+        return self.forward(prompts, completions).tolist()
 
 
 class Reward:
@@ -13,32 +42,21 @@ class Reward:
                  model_weight: float = 1.0, threads: int = 1):
         torch.set_num_threads(threads)
         self.functions = list(functions or [])
-        self.model = self.tok = None
         self.model_weight = model_weight
-        if model_dir:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        self.model = RewardModelScorer(model_dir) if model_dir else None
 
-            self.tok = AutoTokenizer.from_pretrained(model_dir)
-            self.tok.padding_side = "right"
-            self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-
-    @torch.no_grad()
-    def model_scores(self, prompts: list[str], completions: list[str]) -> list[float]:
-        texts = [chat_prompt(self.tok, p) + c + END for p, c in zip(prompts, completions)]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return self.model(**enc).logits[:, 0].tolist()
-
-    def score(self, prompts: list[str], completions: list[str], rows: dict | None = None) -> dict:
-        """{'total': [...], <component>: [...]} — the weighted sum and each part."""
+    def score(self, prompts: list, completions: list[str], rows: dict | None = None) -> dict:
+        """{'total': [...], <function name>: [...]} — the weighted sum and each part."""
         rows = rows or {}
+        comps = [as_completion(p, c) for p, c in zip(prompts, completions)]
         parts = {}
         total = [0.0] * len(prompts)
         for fn, w in self.functions:
-            vals = fn(prompts, completions, **rows)
-            parts[getattr(fn, "__name__", "fn")] = vals
+            vals = check_output(fn, fn(prompts, comps, **rows), prompts, completions)
+            parts[name_of(fn)] = vals
             total = [t + w * v for t, v in zip(total, vals)]
         if self.model is not None:
-            vals = self.model_scores(prompts, completions)
+            vals = self.model.scores(prompts, completions)
             parts["reward_model"] = vals
             total = [t + self.model_weight * v for t, v in zip(total, vals)]
         return {"total": total, **parts}

@@ -1,70 +1,85 @@
-"""Rollout: batched sampling with a KV cache (HF `generate`), weights loaded from the trainer."""
+"""Rollout: batched sampling with a KV cache (HF `generate`), weights loaded from the trainer.
+Prompts are strings (standard format) or message lists (the tokenizer's chat template); generation
+stops at the tokenizer's stop tokens (EOS, generation_config EOS, the template's end-of-turn)."""
 
 from __future__ import annotations
 
 import torch
 
-from raypai.alignment._tensors import END, chat_prompt, pad, token_logprobs
+from raypai.alignment._tensors import pad, token_logprobs
+from raypai.chat import ChatFormat
 from raypai.errors import ConfigError
 
 
 class Rollout:
     def __init__(self, model_dir: str, seed: int = 0, threads: int = 1):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # HF sampling draws from the global generator; its state is checkpointed
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.tok.padding_side = "left"
+        self.fmt = ChatFormat.from_pretrained(model_dir)
+        self.tok = self.fmt.tok
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        self.end_id = self.tok.convert_tokens_to_ids(END)
+        self.version = 0  # update count of the weights loaded (0 = the starting folder)
 
-    def load_weights(self, state: dict) -> int:
+    def load_weights(self, state: dict, version: int | None = None) -> int:
+        """Load the trainer's weights; `version` (its update count) is reported with every sample."""
         self.model.load_state_dict(state)
+        if version is not None:
+            self.version = version
         return sum(v.numel() * v.element_size() for v in state.values())
 
+    def _left_padded(self, prompt_ids: list[list[int]]) -> dict:
+        P = max(map(len, prompt_ids))
+        ids = torch.full((len(prompt_ids), P), self.tok.pad_token_id, dtype=torch.long)
+        att = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, P - len(p):] = torch.tensor(p)
+            att[i, P - len(p):] = 1
+        return {"input_ids": ids, "attention_mask": att}
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], *, n: int = 1, max_new_tokens: int = 8, temperature: float = 1.0,
+    def generate(self, prompts: list, *, n: int = 1, max_new_tokens: int = 8, temperature: float = 1.0,
                  top_p: float = 1.0, stop: tuple[str, ...] = (), logprobs: bool = False) -> dict:
         """n samples per prompt, grouped prompt by prompt; temperature 0 is greedy. Generation stops
-        at the chat end token, EOS or any token in `stop`; the stop token stays in the completion's
+        at the tokenizer's stop tokens or any token in `stop`; the stop token stays in the completion's
         ids (the policy learns to stop) but not in its text. Returns completion texts, token ids
         (prompt + completion), response masks and a right-padded training batch; with `logprobs`
         also the per-token log-probs of that batch under the weights that sampled it (B, T−1),
         which an off-policy update needs as its behaviour log-probs."""
-        stops = [self.end_id, self.tok.eos_token_id, *self._stop_ids(stop)]
-        texts = [chat_prompt(self.tok, p) for p in prompts for _ in range(n)]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        stops = list(dict.fromkeys([*self.fmt.stop_ids, *self._stop_ids(stop)]))
+        prompt_ids = [self.fmt.prompt_ids(p) for p in prompts for _ in range(n)]
+        enc = self._left_padded(prompt_ids)
         greedy = temperature == 0
         out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
                                   temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-                                  eos_token_id=stops, pad_token_id=self.tok.pad_token_id, use_cache=True)
+                                  top_k=None, eos_token_id=stops, pad_token_id=self.tok.pad_token_id, use_cache=True)
         P = enc["input_ids"].shape[1]  # left padding: every completion starts at column P
-        seqs, masks, completions = [], [], []
-        for i in range(len(texts)):
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+        seqs, masks, completions, stopped = [], [], [], 0
+        for i, p_ids in enumerate(prompt_ids):
             comp = out[i, P:].tolist()
             cut = next((j for j, t in enumerate(comp) if t in stops), None)
             if cut is not None:
                 comp = comp[: cut + 1]
-            elif self.tok.pad_token_id in comp:
-                comp = comp[: comp.index(self.tok.pad_token_id)]
+                stopped += 1
             completions.append(self.tok.decode([t for t in comp if t not in stops], skip_special_tokens=True))
-            seqs.append(prompt_ids + comp)
-            masks.append([0] * len(prompt_ids) + [1] * len(comp))
+            seqs.append(p_ids + comp)
+            masks.append([0] * len(p_ids) + [1] * len(comp))
         batch = pad(seqs, masks, self.tok.pad_token_id)
-        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks}
+        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks,
+               "stopped_fraction": stopped / max(1, len(seqs)), "weights_version": self.version}
         if logprobs:
             out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
         return out
 
     def _stop_ids(self, stop: tuple[str, ...]) -> list[int]:
-        ids = [self.tok.convert_tokens_to_ids(s) for s in stop]
-        bad = [s for s, i in zip(stop, ids) if i is None or i == self.tok.unk_token_id]
+        vocab = self.tok.get_vocab()
+        bad = [s for s in stop if s not in vocab]
         if bad:
-            raise ConfigError([f"stop token {s!r} is not a single token of this tokenizer; use a special token "
-                               "such as '<|end|>' or one vocabulary entry" for s in bad], what="rollout stop tokens")
-        return ids
+            raise ConfigError([f"stop token {s!r} is not a single token of this tokenizer; use one of its special "
+                               f"tokens ({', '.join(self.tok.all_special_tokens[:8])}) or one vocabulary entry"
+                               for s in bad], what="rollout stop tokens")
+        return [vocab[s] for s in stop]
 
     def rng_state(self) -> torch.Tensor:
         return torch.get_rng_state()

@@ -125,7 +125,17 @@ class StepDef:
             src = self.fn.__code__.co_code.hex()
         return hashlib.sha256(src.encode()).hexdigest()
 
-    def __call__(self, *args, **kwargs):
+    def named(self, node: str):
+        """Call this step under a node name of your choosing: `load.named("eval_data")(path=...)`
+        (shown in `raypai show`, the Ray dashboard and MLflow instead of `load_2`)."""
+        if not valid_node_name(node):
+            raise PipelineError(f"node name {node!r} is not allowed: use letters, digits and '_'")
+
+        def call(*args, **kwargs):
+            return self(*args, _node=node, **kwargs)
+        return call
+
+    def __call__(self, *args, _node: str | None = None, **kwargs):
         dag: DAG | None = getattr(_BUILD, "dag", None)
         if dag is None:
             raise PipelineError(f"step {self.name!r} was called outside a @pipeline function; call it inside "
@@ -145,7 +155,9 @@ class StepDef:
             problems += _check_type(self.name, pname, value, self.hints.get(pname))
         if problems:
             raise ConfigError(problems, what=f"call of step {self.name!r}")
-        name = self.name
+        name = _node or self.name
+        if _node and name in dag.nodes:
+            raise PipelineError(f"pipeline {dag.pipeline!r} already has a node named {name!r}")
         i = 2
         while name in dag.nodes:
             name, i = f"{self.name}_{i}", i + 1

@@ -14,9 +14,17 @@ import torch
 from raypai.alignment import (DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, SFTConfig, run_dpo, run_grpo,
                               run_ppo, run_sft, train_reward_model)
 from raypai.alignment.checkpoint import has_checkpoint
+from raypai.alignment.data import preference_examples, prompt_examples, sft_examples
 from raypai.alignment.tasks import arithmetic as ar
 
 TRAIN, HELD = ar.split()
+SFT_TRAIN, SFT_HELD = sft_examples(ar.sft_rows(TRAIN)), sft_examples(ar.sft_rows(HELD))
+PROMPTS, HELD_PROMPTS = prompt_examples(ar.prompt_rows(TRAIN)), prompt_examples(ar.prompt_rows(HELD))
+EXACT = [(ar.exact_match_reward, 1.0)]
+
+
+def pairs(items, seed, per):
+    return preference_examples(ar.preference_rows(items, seed, per))
 
 
 class Sink:
@@ -33,7 +41,7 @@ class Sink:
 def sft(ray_align, tiny_model, tmp_path_factory):
     """SFT long enough to learn part of the table (held-out greedy accuracy ≈ 0.5), so RL has room."""
     out = tmp_path_factory.mktemp("sft") / "model"
-    metrics = run_sft(tiny_model, str(out), ar.sft_rows(TRAIN), ar.sft_rows(HELD), SFTConfig(steps=450, lr=3e-3),
+    metrics = run_sft(tiny_model, str(out), SFT_TRAIN, SFT_HELD, SFTConfig(steps=450, lr=3e-3),
                       run_name="t-sft")
     return str(out), metrics
 
@@ -50,8 +58,7 @@ def test_sft_lowers_response_loss_and_exports_an_hf_folder(sft):
 
 def test_reward_model_ranks_held_out_pairs(sft, tmp_path):
     # held-out pairs: wrong answers the reward model never saw
-    rm = train_reward_model(sft[0], str(tmp_path / "rm"), ar.preference_pairs(TRAIN, 0, 3),
-                            ar.preference_pairs(TRAIN, 7, 1), RewardModelConfig(steps=300, lr=5e-4, batch_size=32),
+    rm = train_reward_model(sft[0], str(tmp_path / "rm"), pairs(TRAIN, 0, 3), pairs(TRAIN, 7, 1), RewardModelConfig(steps=300, lr=5e-4, batch_size=32),
                             run_name="t-rm")
     # 0.76-0.89 over five seeds on this SFT model (chance 0.5; before training 0.40-0.54)
     assert rm["rm_eval_accuracy"] >= 0.7 and rm["rm_eval_accuracy"] > rm["rm_eval_accuracy_before"], rm
@@ -59,7 +66,7 @@ def test_reward_model_ranks_held_out_pairs(sft, tmp_path):
 
 def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     logger = Sink()
-    dpo = run_dpo(sft[0], str(tmp_path / "dpo"), ar.preference_pairs(TRAIN, 0, 1), ar.preference_pairs(HELD, 7, 1),
+    dpo = run_dpo(sft[0], str(tmp_path / "dpo"), pairs(TRAIN, 0, 1), pairs(HELD, 7, 1),
                   DPOConfig(steps=25, lr=5e-4, beta=0.1), run_name="t-dpo", logger=logger)
     assert dpo["preference_accuracy_after"] > dpo["preference_accuracy_before"]
     assert dpo["margin_after"] > dpo["margin_before"]
@@ -70,8 +77,9 @@ def test_grpo_raises_held_out_exact_match_over_sft(sft, tmp_path):
     logger = Sink()
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15)
-    g = run_grpo(sft[0], str(tmp_path / "grpo"), TRAIN, HELD, cfg, run_name="t-grpo", logger=logger)
-    assert g["eval_accuracy_after"] > g["eval_accuracy_before"], g
+    g = run_grpo(sft[0], str(tmp_path / "grpo"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo", logger=logger,
+                 rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"])
+    assert g["eval_reward_after"] > g["eval_reward_before"], g
     logged = logger.rows[0][1]
     for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "policy_loss",
                 "sync_seconds", "sync_bytes", "samples_per_s", "time_rollout", "time_train"):
@@ -84,9 +92,11 @@ def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sft
     logger = Sink()
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15, async_rollout=True)
-    g = run_grpo(sft[0], str(tmp_path / "grpo-async"), TRAIN, HELD, cfg, run_name="t-grpo-async", logger=logger)
-    assert g["eval_accuracy_after"] > g["eval_accuracy_before"], g
+    g = run_grpo(sft[0], str(tmp_path / "grpo-async"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo-async",
+                 logger=logger, rewards=EXACT)
+    assert g["eval_reward_after"] > g["eval_reward_before"], g
     steps = [m for s, m in logger.rows if s is not None]
+    # measured: the trainer's update count minus the version of the weights that sampled the batch
     assert len(steps) == 30 and [m["policy_lag_steps"] for m in steps] == [0] + [1] * 29
     # stale samples: the ratio leaves 1 and some tokens are clipped (on-policy μ = 1 never clips)
     assert max(m["clip_fraction"] for m in steps) > 0
@@ -97,18 +107,18 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path):
     """Pairs come only from the policy's samples ranked by the rule reward; the held-out pairs
     (right answer vs a near miss) are never trained on, yet their implicit-reward ranking improves."""
     logger = Sink()
-    o = run_dpo(sft[0], str(tmp_path / "odpo"), [], ar.preference_pairs(HELD, 1, 1),
+    o = run_dpo(sft[0], str(tmp_path / "odpo"), [], pairs(HELD, 1, 1),
                 DPOConfig(steps=20, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
-                problems=TRAIN, held_out=HELD, run_name="t-odpo", logger=logger)
+                prompts=PROMPTS, held_out=HELD_PROMPTS, rewards=EXACT, run_name="t-odpo", logger=logger)
     assert o["preference_accuracy_after"] > o["preference_accuracy_before"] and o["margin_after"] > o["margin_before"]
-    assert {"eval_accuracy_before", "eval_accuracy_after"} <= set(o)
+    assert {"eval_reward_before", "eval_reward_after"} <= set(o)
     assert all(m["dpo/pairs"] > 0 and m["dpo/sync_bytes"] > 0 for s, m in logger.rows if s is not None)
 
 
 def test_ppo_trains_policy_and_critic(sft, tmp_path):
     logger = Sink()
-    p = run_ppo(sft[0], str(tmp_path / "ppo"), TRAIN, HELD, PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3),
-                run_name="t-ppo", logger=logger)
+    p = run_ppo(sft[0], str(tmp_path / "ppo"), PROMPTS, HELD_PROMPTS,
+                PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3), rewards=EXACT, run_name="t-ppo", logger=logger)
     steps = [m for s, m in logger.rows if s is not None]
     assert len(steps) == 6 and steps[-1]["value_loss"] < steps[0]["value_loss"]
     assert {"policy_loss", "clip_fraction", "kl", "time_score"} <= set(steps[0])
@@ -119,7 +129,8 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3)
     driver = ray.remote(run_grpo).options(num_cpus=0, max_retries=0).remote(
-        sft[0], str(tmp_path / "g1"), TRAIN, HELD, cfg, run_name="t-kill", checkpoint_dir=str(ckpt))
+        sft[0], str(tmp_path / "g1"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-kill", checkpoint_dir=str(ckpt),
+        rewards=EXACT)
     deadline = time.time() + 600  # generous: a loaded 2-core machine can take minutes to the first checkpoint
     while not has_checkpoint(ckpt) and time.time() < deadline:
         time.sleep(0.1)
@@ -131,8 +142,8 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     assert 2 <= saved < 12 and saved % 2 == 0
 
     logger = Sink()
-    resumed = run_grpo(sft[0], str(tmp_path / "g2"), TRAIN, HELD, cfg, run_name="t-resume",
-                       checkpoint_dir=str(ckpt), logger=logger)
+    resumed = run_grpo(sft[0], str(tmp_path / "g2"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-resume",
+                       checkpoint_dir=str(ckpt), logger=logger, rewards=EXACT)
     steps = [s for s, _ in logger.rows if s is not None]
     assert steps == list(range(saved + 1, 13))  # continues after the last checkpoint, to the end
     assert resumed["steps_run"] == 12 - saved and (tmp_path / "g2" / "model.safetensors").exists()

@@ -22,11 +22,28 @@ def test_dpo_sigmoid_ipo_hinge_and_label_smoothing():
     assert out.loss.item() == pytest.approx(math.log1p(math.exp(-1)), abs=1e-6)
     assert dpo_loss(pol, ref, beta=0.5, label_smoothing=0.1).loss.item() == pytest.approx(
         0.9 * math.log1p(math.exp(-1)) + 0.1 * math.log1p(math.e), abs=1e-6)
-    assert dpo_loss(pol, ref, beta=0.5, loss_type="ipo").loss.item() == pytest.approx(1.0)
+    one = ChosenRejected(torch.tensor([1.0]), torch.tensor([1.0]))  # one-token responses: mean = sum
+    assert dpo_loss(pol, ref, beta=0.5, loss_type="ipo", lengths=one).loss.item() == pytest.approx(1.0)
     assert dpo_loss(pol, ref, beta=0.5, loss_type="hinge").loss.item() == pytest.approx(0.0)
     assert out.margin == pytest.approx(1.0) and out.accuracy == 1.0
     with pytest.raises(ValueError, match="sigmoid, ipo, hinge"):
         dpo_loss(pol, ref, loss_type="kto")
+
+
+def test_ipo_uses_per_token_mean_log_ratios_on_unequal_lengths():
+    """Chosen: 4 tokens, log-ratio π_c − ref_c = (−4) − (−8) = 4 → mean 1 per token.
+    Rejected: 2 tokens, log-ratio (−6) − (−4) = −2 → mean −1 per token. h̄ = 1 − (−1) = 2.
+    β = 0.5: (2 − 1/(2·0.5))² = (2 − 1)² = 1. The summed form would give h = 4 + 2 = 6 → 25, and
+    doubling both lengths with the same per-token ratios must not change the averaged loss."""
+    pol = ChosenRejected(torch.tensor([-4.0]), torch.tensor([-6.0]))
+    ref = ChosenRejected(torch.tensor([-8.0]), torch.tensor([-4.0]))
+    lengths = ChosenRejected(torch.tensor([4.0]), torch.tensor([2.0]))
+    assert dpo_loss(pol, ref, beta=0.5, loss_type="ipo", lengths=lengths).loss.item() == pytest.approx(1.0)
+    doubled = dpo_loss(ChosenRejected(pol.chosen * 2, pol.rejected * 2), ChosenRejected(ref.chosen * 2, ref.rejected * 2),
+                       beta=0.5, loss_type="ipo", lengths=ChosenRejected(lengths.chosen * 2, lengths.rejected * 2))
+    assert doubled.loss.item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs the response lengths"):
+        dpo_loss(pol, ref, beta=0.5, loss_type="ipo")
 
 
 def test_bradley_terry_with_margin():

@@ -7,7 +7,10 @@ import torch
 from ray.util.state import list_actors
 from transformers import AutoTokenizer
 
-from raypai.alignment._tensors import encode
+from raypai.chat import ChatFormat
+
+from raypai.alignment._tensors import encode_sft
+from raypai.alignment.data import sft_examples
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
 from raypai.alignment.sync import sync_weights
@@ -29,7 +32,7 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         [reward] = place.place("reward", Reward, [(ar.exact_match_reward, 1.0), (length_bonus, 0.1)])
         [critic] = place.place("critic", Critic, tiny_model, 1e-3)
         tok = AutoTokenizer.from_pretrained(tiny_model)
-        batch = encode(tok, ["1+2=", "3+4="], ["3", "7"])
+        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
         ray.get([a.__ray_ready__.remote() for a in (policy, rollout, reference, reward, critic)])
         names = {a.name: a.pid for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
                  if a.name.startswith("roles-test/")}
@@ -86,5 +89,25 @@ def test_colocated_roles_share_one_bundle(ray_align):
         assert ray.get(judge.score.remote(["1+1="], ["22"], {}))["total"] == [1.0]
         assert ray.get(reward.score.remote(["1+1="], ["2"], {"answer": [2]}))["total"] == [1.0]
         assert ray.get_actor("coloc-test/judge-0") is not None
+    finally:
+        place.shutdown()
+
+
+def test_ppo_step_moves_the_policy_toward_positive_advantages(ray_align, tiny_model):
+    """One clipped-surrogate update with advantage +1 on every token of one completion and −1 on the
+    other raises the first's log-probability and lowers the second's; a sign error in the policy
+    gradient (surrogate or step) moves both the wrong way."""
+    place = Placement("ppo-sign", {"policy": RoleSpec(1)})
+    try:
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 5e-3)
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("1+2=", 4)])))
+        m = batch["response_mask"]
+        old = ray.get(policy.logprobs.remote(batch))
+        adv = torch.stack([m[0], -m[1]])  # (B, T−1): good completion +1, bad −1, prompt tokens 0
+        ray.get(policy.ppo_step.remote(batch, old, adv, 0.2))
+        new = ray.get(policy.logprobs.remote(batch))
+        gain = ((new - old) * m).sum(1)
+        assert gain[0] > 0 > gain[1], gain
     finally:
         place.shutdown()
