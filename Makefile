@@ -25,13 +25,15 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q --durations=25
 
-# A persistent local Ray (head node) so the deployed endpoint outlives the pipeline driver.
+# A persistent local Ray head (so the deployed endpoint outlives the pipeline driver), on free
+# ports recorded in $RAYPAI_HOME/runtime.json; a second `make demo` reuses it. demo-stop stops that
+# head only, never another Ray on this machine (`ray stop` would stop them all).
 demo: $(STAMP)
-	$(BIN)/ray status >/dev/null 2>&1 || $(BIN)/ray start --head --num-cpus 8 --dashboard-host 127.0.0.1 --disable-usage-stats >/dev/null
-	RAY_ADDRESS=auto RAYPAI_DASHBOARD=1 $(BIN)/python -m raypai.pipelines.tinychat $(DEMO_ARGS)
+	$(BIN)/raypai ray start --num-cpus 8
+	$(BIN)/python -m raypai.pipelines.tinychat $(DEMO_ARGS)
 
 demo-stop:
-	-$(BIN)/ray stop
+	$(BIN)/raypai ray stop
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e ".[dev,bench]"

@@ -36,7 +36,10 @@ def clean_cmd(input_dir: str, output_dir: Path, recipe: str = typer.Option("defa
     raw = output_dir / "_raw"
     m = ingest(input_dir, raw, IngestConfig(text_mode=text_mode))
     typer.echo(f"ingested {m['rows']} rows ({m['rejected']} rejected) from {len(m['files'])} files")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
+
+    ensure_ray(Settings.load(), dashboard=False, log_to_driver=False)
     try:
         out = clean(raw, output_dir, ops, work_dir=output_dir / "_work")
     finally:

@@ -1,11 +1,11 @@
 """`raypai server`, `raypai deploy …`, `raypai token …`.
 
     raypai token create ci --scope deploy --scope infer
-    raypai server --port 8080
+    raypai server                  # port 8080, or a free one when 8080 is taken
     RAYPAI_TOKEN=… raypai deploy create tinychat --model tinychat --alias champion
     RAYPAI_TOKEN=… raypai deploy update tinychat --canary-version 4 --canary-percent 20
 
-`deploy` commands talk HTTP to the deploy API at $RAYPAI_API_URL (default http://127.0.0.1:8080)
+`deploy` commands talk HTTP to the deploy API at $RAYPAI_API_URL (default: where `raypai server` runs)
 with the bearer token in $RAYPAI_TOKEN; `token` commands write the metadata store directly.
 """
 
@@ -30,7 +30,9 @@ def _settings():
 def _api(method: str, path: str, body: dict | None = None):
     import httpx
 
-    url = os.environ.get("RAYPAI_API_URL", "http://127.0.0.1:8080")
+    from raypai.runtime import DEFAULT_PORTS, endpoint_url
+
+    url = os.environ.get("RAYPAI_API_URL") or endpoint_url(_settings(), "api", DEFAULT_PORTS["api"])
     token = os.environ.get("RAYPAI_TOKEN", "")
     try:
         r = httpx.request(method, f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"},
@@ -127,19 +129,21 @@ def delete(name: str):
     _api("DELETE", f"/api/v1/deployments/{name}")
 
 
-def server_command(port: int = 8080, host: str = "127.0.0.1"):
+def server_command(port: Optional[int] = typer.Option(None, help="port of the deploy API [8080, or a free one]"),
+                   host: str = "127.0.0.1"):
     """Run the deploy API (reconciles stored deployments with Ray Serve on start)."""
-    import ray
     import uvicorn
 
+    from raypai.runtime import DEFAULT_PORTS, check_port, ensure_ray, pick_port, record_endpoint
     from raypai.serving.api import create_app
 
     s = _settings()
-    try:
-        ray.init(address=s.ray_address or "auto", namespace="raypai", ignore_reinit_error=True)
-    except ConnectionError:
-        typer.echo("no Ray cluster to deploy on: start one with `ray start --head` (or `make demo`), "
-                   "or point RAY_ADDRESS at yours", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"deploy API on http://{host}:{port} (docs /docs); OpenAI endpoint on the Serve proxy")
+    if port is not None:
+        check_port("deploy API", port)
+    port = port or pick_port(DEFAULT_PORTS["api"])
+    info = ensure_ray(s)  # raypai's recorded Ray head, RAY_ADDRESS, or a Ray inside this server
+    s = s.replace(serve_port=info.serve_port)
+    record_endpoint(s, "api", f"http://{host}:{port}")
+    typer.echo(f"deploy API on http://{host}:{port} (docs /docs); OpenAI endpoint http://127.0.0.1:{info.serve_port}/v1 "
+               f"on {info.describe()}")
     uvicorn.run(create_app(s), host=host, port=port, log_level="info")

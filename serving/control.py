@@ -24,7 +24,10 @@ class DeploymentConflict(DeployError):
     """The request contradicts the current state (name taken, version already stable): HTTP 409."""
 
 
-def serve_port() -> int:
+def serve_port(settings: Settings | None = None) -> int:
+    """The Serve HTTP port: the settings' (raypai.runtime fills it in), else $RAYPAI_SERVE_PORT, else 8000."""
+    if settings is not None and settings.serve_port:
+        return settings.serve_port
     return int(os.environ.get("RAYPAI_SERVE_PORT", "8000"))
 
 
@@ -37,7 +40,7 @@ class Controller:
     # ---- Serve ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        serve.start(http_options={"host": "127.0.0.1", "port": serve_port()})
+        serve.start(http_options={"host": "127.0.0.1", "port": serve_port(self.settings)})
         apps = serve.status().applications
         if ROUTER_APP not in apps:
             serve.run(Router.bind(self.settings.database_url), name=ROUTER_APP, route_prefix="/", blocking=False)
@@ -177,7 +180,7 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - Serve not reachable: report it, don't fail the read
             live = {"error": str(exc)}
         return {"name": name, "state": state, "spec": spec, "live": live, "history_length": len(history),
-                "endpoint": f"http://127.0.0.1:{serve_port()}/v1"}
+                "endpoint": f"http://127.0.0.1:{serve_port(self.settings)}/v1"}
 
 
 def _status(app) -> str:

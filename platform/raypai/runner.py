@@ -8,7 +8,6 @@ steps retry with exponential backoff; their descendants are skipped, independent
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 import traceback
@@ -62,24 +61,16 @@ class RunResult:
 
 
 def tracker_for(settings: Settings) -> Tracker:
-    return Tracker(settings.mlflow_tracking_uri, artifact_root=settings.home / "mlartifacts")
+    from raypai.runtime import tracker
+
+    return tracker(settings)
 
 
-def init_ray(settings: Settings) -> None:
-    import ray
+def init_ray(settings: Settings):
+    """Start or join Ray for `settings` (kept for callers of the old name; see raypai.runtime)."""
+    from raypai.runtime import ensure_ray
 
-    if ray.is_initialized():
-        return
-    env = {**settings.to_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    kwargs = {"namespace": "raypai", "runtime_env": {"env_vars": env}, "log_to_driver": True}
-    if settings.ray_address:
-        ray.init(address=settings.ray_address, **kwargs)
-    else:
-        # Logical CPUs > cores: heavy steps start their own Ray workloads from inside their task
-        # (Train workers + controller, role actors), which must schedule beside the step's task.
-        ray.init(address="local", num_cpus=settings.ray_num_cpus or max(8, os.cpu_count() or 1),
-                 include_dashboard=os.environ.get("RAYPAI_DASHBOARD", "1") == "1", **kwargs)
+    return ensure_ray(settings)
 
 
 class Runner:
@@ -94,7 +85,9 @@ class Runner:
         import ray
 
         order = dag.order()
-        init_ray(self.settings)
+        ray_info = init_ray(self.settings)
+        # steps deploy on the Serve port chosen for this Ray (a free one when 8000 is taken)
+        self.settings = self.settings.replace(serve_port=ray_info.serve_port)
         t0 = time.time()
         run_id = self.store.create_run(dag.pipeline, _jsonable(dag.params), source_file=source_file,
                                        origin_run_id=origin_run_id)

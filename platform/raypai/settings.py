@@ -32,6 +32,9 @@ class Settings:
     ray_address: str | None = None
     # Logical CPUs given to a local Ray (DESIGN: on 2 cores, Train workers + controller must fit).
     ray_num_cpus: int | None = None
+    # Serve HTTP port pinned by the user; None: raypai.runtime picks one (8000 when free) and records it.
+    serve_port: int | None = None
+    dashboard: bool = True  # a local Ray started by raypai runs the Ray dashboard
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -55,6 +58,9 @@ class Settings:
         artifact_uri = pick("RAYPAI_ARTIFACT_URI", "artifact_uri", str(home / "artifacts"))
         ray_address = pick("RAY_ADDRESS", "ray_address", None)
         num_cpus_raw = pick("RAYPAI_RAY_NUM_CPUS", "ray_num_cpus", None)
+        serve_port_raw = pick("RAYPAI_SERVE_PORT", "serve_port", None)
+        dashboard_raw = env.get("RAYPAI_DASHBOARD") or file_values.get("dashboard", "1")  # a toml `false` is falsy
+        dashboard_raw = {True: "1", False: "0"}.get(dashboard_raw, str(dashboard_raw)).strip().lower()
 
         scheme = database_url.split("://", 1)[0] if "://" in database_url else ""
         if scheme not in _DB_SCHEMES:
@@ -84,6 +90,18 @@ class Settings:
                     raise ValueError
             except ValueError:
                 problems.append(f"RAYPAI_RAY_NUM_CPUS={num_cpus_raw!r}: must be a positive integer")
+        serve_port = None
+        if serve_port_raw is not None:
+            try:
+                serve_port = int(serve_port_raw)
+                if not 1 <= serve_port <= 65535:
+                    raise ValueError
+            except ValueError:
+                problems.append(f"RAYPAI_SERVE_PORT={serve_port_raw!r}: must be a TCP port (1-65535); unset it "
+                                "to let raypai pick a free one")
+        dashboard = dashboard_raw in ("1", "true", "yes", "on")
+        if dashboard_raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            problems.append(f"RAYPAI_DASHBOARD={dashboard_raw!r}: use 1 (start the Ray dashboard) or 0 (skip it)")
         if ray_address is not None and not (
             ray_address == "auto" or "://" in ray_address or ":" in ray_address
         ):
@@ -99,6 +117,8 @@ class Settings:
             artifact_uri=artifact_uri,
             ray_address=ray_address,
             ray_num_cpus=num_cpus,
+            serve_port=serve_port,
+            dashboard=dashboard,
         )
 
     def with_home(self, home: str | Path) -> "Settings":
@@ -118,4 +138,8 @@ class Settings:
         }
         if self.ray_num_cpus:
             env["RAYPAI_RAY_NUM_CPUS"] = str(self.ray_num_cpus)
+        if self.serve_port:
+            env["RAYPAI_SERVE_PORT"] = str(self.serve_port)
+        if not self.dashboard:
+            env["RAYPAI_DASHBOARD"] = "0"
         return env

@@ -4,6 +4,7 @@
     raypai runs ; raypai show RUN_ID ; raypai resume RUN_ID
     raypai lineage ARTIFACT_ID [--down] [--json]
     raypai doctor ; raypai ui
+    raypai ray start ; raypai ray status ; raypai ray stop     # raypai's own local Ray head, on free ports
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ app = typer.Typer(help="raypai: raw text → trained, aligned, deployed language
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 db_app = typer.Typer(help="Metadata database schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+ray_app = typer.Typer(help="raypai's local Ray head (free ports, recorded under RAYPAI_HOME).", no_args_is_help=True)
+app.add_typer(ray_app, name="ray")
 
 
 def _settings():
@@ -178,14 +181,79 @@ def lineage(ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, 
 
 
 @app.command()
-def ui(port: int = 5000, host: str = "127.0.0.1"):
+def ui(port: Optional[int] = typer.Option(None, help="MLflow UI port [5000, or a free one]"), host: str = "127.0.0.1"):
     """Start the MLflow UI on the configured tracking store and print where to look."""
+    from raypai.runtime import DEFAULT_PORTS, check_port, load_state, pick_port, record_endpoint
+
     s = _settings()
+    if port is not None:
+        check_port("MLflow UI", port)
+    port = port or pick_port(DEFAULT_PORTS["mlflow_ui"])
+    head = load_state(s).head
     console.print(f"MLflow UI:      http://{host}:{port}   (tracking store {s.mlflow_tracking_uri})")
-    console.print("Ray dashboard:  http://127.0.0.1:8265  (while a pipeline or `ray start --head` runs)")
+    if head is not None and head.dashboard_url:
+        console.print(f"Ray dashboard:  {head.dashboard_url}  (raypai's Ray head)")
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
            "--backend-store-uri", s.mlflow_tracking_uri, "--default-artifact-root", str(s.home / "mlartifacts")]
-    raise typer.Exit(subprocess.call(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}))
+    proc = subprocess.Popen(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    record_endpoint(s, "mlflow_ui", f"http://{host}:{port}", proc.pid)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        code = proc.wait()
+    raise typer.Exit(code)
+
+
+@ray_app.command("start")
+def ray_start(num_cpus: Optional[int] = typer.Option(None, help="logical CPUs [RAYPAI_RAY_NUM_CPUS or max(8, cores)]"),
+              dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="[RAYPAI_DASHBOARD]")):
+    """Start raypai's persistent local Ray head on free ports (or reuse the one running)."""
+    from raypai.cli.render import head_lines
+    from raypai.runtime import load_state, start_head
+
+    s = _settings()
+    if s.ray_address:
+        console.print(f"RAY_ADDRESS={s.ray_address} is set: raypai uses that cluster, no local head started")
+        return
+    running = load_state(s).head
+    head = start_head(s, num_cpus=num_cpus, dashboard=dashboard)
+    console.print(("reusing" if running is not None else "started") + " raypai's Ray head")
+    for line in head_lines(head):
+        console.print(line, soft_wrap=True)
+
+
+@ray_app.command("status")
+def ray_status():
+    """Where raypai's Ray head and servers run (exit code 1 when no head runs)."""
+    from raypai.cli.render import head_lines
+    from raypai.runtime import load_state, state_path
+
+    s = _settings()
+    state = load_state(s)
+    if state.head is None:
+        console.print(f"no raypai Ray head runs for RAYPAI_HOME={s.home}; start one with `raypai ray start`")
+    else:
+        for line in head_lines(state.head):
+            console.print(line, soft_wrap=True)
+    for name, ep in state.endpoints.items():
+        console.print(f"{name:10s} {ep.url}  pid {ep.pid}")
+    console.print(f"[dim]recorded in {state_path(s)}[/]")
+    raise typer.Exit(0 if state.head is not None else 1)
+
+
+@ray_app.command("stop")
+def ray_stop():
+    """Stop raypai's Ray head for this RAYPAI_HOME (never another Ray on the machine)."""
+    from raypai.runtime import load_state, stop_head
+
+    s = _settings()
+    head = load_state(s).head
+    stopped = stop_head(s)
+    if head is None:
+        console.print("no raypai Ray head was running for this RAYPAI_HOME")
+    else:
+        console.print(f"stopped raypai's Ray head at {head.address} ({len(stopped)} processes)")
 
 
 @app.command()
@@ -224,6 +292,7 @@ _MOUNTS = [
     ("raypai.data.cli", "app", "data", "typer"),
     ("raypai.train.cli", "train_command", "train", "command"),
     ("raypai.alignment.cli", "align_command", "align", "command"),
+    ("raypai.alignment.cli", "model_app", "model", "typer"),
     ("raypai.serving.cli", "deploy_app", "deploy", "typer"),
     ("raypai.serving.cli", "token_app", "token", "typer"),
     ("raypai.serving.cli", "server_command", "server", "command"),

@@ -140,3 +140,12 @@ def deployment_view(graph: dict) -> None:
         else:
             root.add("[yellow]registered outside raypai: no lineage tag[/]")
             console.print(root)
+
+
+def head_lines(head) -> list[str]:
+    """Where raypai's Ray head listens (a `raypai.runtime.HeadState`), one line per service."""
+    return [f"  Ray GCS         {head.address}",
+            f"  Ray dashboard   {head.dashboard_url or 'off (RAYPAI_DASHBOARD=0)'}",
+            f"  Ray client      ray://127.0.0.1:{head.client_port}",
+            f"  Serve HTTP      http://127.0.0.1:{head.serve_port}/v1  (the OpenAI-compatible endpoint, once deployed)",
+            f"  session         {head.session_dir}"]
