@@ -63,9 +63,9 @@ def align_command(algo: str = typer.Argument(..., help="sft | reward_model | dpo
     if algo == "online_dpo" and eval_pairs is None:
         raise ConfigError(["online_dpo needs --eval-pairs (held-out preference pairs to measure)"], what="raypai align")
 
-    from raypai.runner import init_ray
+    from raypai.runtime import ensure_ray
 
-    init_ray(settings)
+    ensure_ray(settings)  # joins raypai's recorded Ray head when one runs, else a local Ray
     res = _run(algo, model_dir, str(out), train, held, cfg, rewards, reward_model, eval_pairs)
     typer.echo(json.dumps(res, indent=1, default=str))
 

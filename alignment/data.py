@@ -75,7 +75,11 @@ def load_rows(source, *, name: str | None = None) -> list[dict]:
             return _load_hf(src)
         files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
                        if i.type == pafs.FileType.File and i.path.endswith((".jsonl", ".json", ".parquet")))
-        files = [f for f in files if not f.endswith(("manifest.json", "rejected.parquet", "dropped.parquet"))]
+        # a raypai dataset artifact: its rows file only (not the manifest or the store's commit marker)
+        if "rows.jsonl" in names and "manifest.json" in names:
+            files = [f for f in files if f.endswith("/rows.jsonl")]
+        files = [f for f in files if not Path(f).name.startswith(("_", "."))
+                 and not f.endswith(("manifest.json", "rejected.parquet", "dropped.parquet"))]
         if not files:
             raise DataError(f"dataset folder {src!r} holds no .jsonl/.json/.parquet files")
         return [r for f in files for r in _read_file(fs, f)]

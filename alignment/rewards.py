@@ -59,11 +59,13 @@ def _ship_by_value(mod) -> None:
     """A user's module outside site-packages travels to Ray workers by value, so actors on any node
     can call it without installing it (as the runner does for pipeline files)."""
     import cloudpickle
+    from ray import cloudpickle as ray_cloudpickle  # Ray pickles task arguments with its own vendored copy
 
     f = getattr(mod, "__file__", None)
     if f and "site-packages" not in f and not mod.__name__.startswith("raypai") and \
             not Path(f).is_relative_to(Path(sys.base_prefix)):
         cloudpickle.register_pickle_by_value(mod)
+        ray_cloudpickle.register_pickle_by_value(mod)
 
 
 def name_of(fn) -> str:
