@@ -95,7 +95,7 @@ def run_mode(mode: str, out_path: Path) -> None:
     settings = Settings.load()
     rec: dict = {"mode": mode, "settings": {k: v for k, v in settings.to_env().items() if k != "RAYPAI_HOME"}}
     t0 = time.time()
-    result = Runner(settings).run(tinychat.build(**SMALL))
+    result = Runner(settings).run(tinychat.build(**SMALL, require_improvement=False))  # always an endpoint to compare
     try:
         rec.update(ok=result.ok, pipeline_s=round(result.seconds, 1),
                    steps={n: [s.state, round(s.seconds, 1)] for n, s in result.steps.items()},

@@ -17,6 +17,11 @@ def print_summary(settings, result) -> None:
     from raypai.store import MetadataStore
 
     dep = result.result if isinstance(result.result, dict) else {}
+    if not dep.get("deployed", True):
+        console.print(Panel(f"[bold]not deployed[/]: {dep.get('reason')}\n(registered as {dep.get('model')} version "
+                            f"{dep.get('version')}; re-run with --param require_improvement=false to deploy anyway)",
+                            title="tinychat", expand=False))
+        return
     name = dep.get("deployment", "tinychat")
     endpoint = dep.get("endpoint", "http://127.0.0.1:8000/v1")
     store = MetadataStore(settings.database_url)

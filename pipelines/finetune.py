@@ -26,7 +26,7 @@ EXAMPLE_REWARD = "raypai.alignment.tasks.arithmetic:exact_match_reward"
 def finetune(model_dir: str, sft_data: str, eval_prompts: str, pref_data: str = "", prompt_data: str = "",
              algorithm: str = "dpo", rewards: list | None = None, name: str = "finetune",
              sft_config: dict | None = None, align_config: dict | None = None, metric: str = "held_out_reward",
-             max_new_tokens: int = 16):
+             max_new_tokens: int = 16, require_improvement: bool = True):
     if algorithm not in ("dpo", "grpo"):
         raise ConfigError([f"algorithm {algorithm!r}: finetune runs 'dpo' (needs pref_data) or 'grpo' (needs "
                            "prompt_data and rewards)"], what="finetune parameters")
@@ -49,7 +49,8 @@ def finetune(model_dir: str, sft_data: str, eval_prompts: str, pref_data: str = 
                        config=align_config or {})
     held = alignment_data.named("eval_data")(eval_prompts, kind="sft" if metric == "response_nll" else "prompt", name="eval_data")
     report = evaluate(aligned, sft_model, held, metric=metric, rewards=rewards, max_new_tokens=max_new_tokens)
-    return deploy(register(aligned, name=name, evaluation=report), name=name)
+    # deployed only when the evaluation says the aligned model beats the SFT one (unless told otherwise)
+    return deploy(register(aligned, name=name, evaluation=report), name=name, require_promoted=require_improvement)
 
 
 def example_inputs(folder) -> dict:

@@ -28,7 +28,7 @@ EXACT_MATCH = "raypai.alignment.tasks.arithmetic:exact_match_reward"  # the demo
 def tinychat(raw_dir: str = "", docs: int = 3000, vocab_size: int = 2048, block_size: int = 128, layers: int = 2,
              hidden: int = 128, pretrain_steps: int = 200, workers: int = 2, sft_steps: int = 600,
              sft_lr: float = 1e-3, ptx_coef: float = 1.0, rm_steps: int = 300, align_steps: int = 40,
-             algorithm: str = "grpo", name: str = "tinychat", seed: int = 0):
+             algorithm: str = "grpo", name: str = "tinychat", seed: int = 0, require_improvement: bool = True):
     if algorithm not in ALGORITHMS:
         raise ConfigError([f"algorithm {algorithm!r} is not available in tinychat; choose one of "
                            f"{', '.join(ALGORITHMS)}"], what="tinychat parameters")
@@ -71,7 +71,8 @@ def tinychat(raw_dir: str = "", docs: int = 3000, vocab_size: int = 2048, block_
     evaluation = evaluate(aligned, sft_model, held_prompts, metric="held_out_reward", rewards=[EXACT_MATCH],
                           max_new_tokens=4, shards=shards)
     registered = register(aligned, name=name, evaluation=evaluation)
-    return deploy(registered, name=name)
+    # deployed only when the aligned model beats the SFT one on held-out exact match (unless told otherwise)
+    return deploy(registered, name=name, require_promoted=require_improvement)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def _chain(store, artifact_id: str) -> list[str]:
 def test_tinychat_end_to_end_with_lineage(raypai_home):
     from ray import serve
 
-    result = Runner(raypai_home).run(tinychat.build(**SMALL))
+    result = Runner(raypai_home).run(tinychat.build(**SMALL, require_improvement=False))  # gate off: always an endpoint
     try:
         assert result.ok, {n: s.error for n, s in result.steps.items() if s.error}
         assert result.result["deployed"] and result.result["deployment"] == "tinychat"
