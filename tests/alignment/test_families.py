@@ -1,0 +1,186 @@
+"""Alignment on the user's own model, data and reward, for three model families with their own
+tokenizer conventions (built here from transformers configs, no downloads):
+
+- Llama with a Llama-3-style template (<|eot_id|>, generation_config EOS list, no pad token),
+- Qwen2 with a ChatML template (<|im_start|>/<|im_end|>, EOS <|endoftext|>),
+- GPT-2 with no chat template (completion format, no pad token).
+
+Per family: SFT (conversational and prompt/completion), DPO from a preference file, GRPO with a
+reward given by import path — each moving its held-out metric the right way — an export that plain
+`transformers` loads and whose generation stops at that family's end token, and a deployment
+through the deploy API answering the OpenAI-compatible API, stopping at the same token."""
+
+import os
+import socket
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+import torch
+
+from raypai.alignment import DPOConfig, GRPOConfig, SFTConfig, run_dpo, run_grpo, run_sft
+from raypai.alignment.data import load, split
+from raypai.alignment.tasks import arithmetic as ar
+from raypai.alignment.tasks.tiny import build_tiny_model
+from raypai.chat import ChatFormat
+
+FAMILIES = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gpt2": "<|endoftext|>"}
+CHAT = {"llama3": True, "qwen2": True, "gpt2": False}
+TRAIN, HELD = ar.split()
+
+REWARDS = '''
+from raypai.chat import text_of
+
+def exact_answer(prompts, completions, answer, **_):
+    """1 when the completion starts with the right sum (the user's reward, imported by path)."""
+    out = []
+    for c, a in zip(completions, answer):
+        t = text_of(c).strip()
+        out.append(1.0 if t.split(" ")[0] == str(a) else 0.0)
+    return out
+'''
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory):
+    """The user's files: chats, prompt/completion rows, preference pairs, prompts with answers, and a
+    reward module on sys.path (shipped to the Ray actors by value)."""
+    d = tmp_path_factory.mktemp("user")
+    (d / "fam_rewards.py").write_text(textwrap.dedent(REWARDS))
+    sys.path.insert(0, str(d))
+    files = {}
+    for chat in (True, False):
+        tag = "chat" if chat else "plain"
+        files[f"sft_{tag}"] = ar.write_jsonl(ar.sft_rows(TRAIN, chat), d / f"sft_{tag}.jsonl")
+        files[f"sft_{tag}_held"] = ar.write_jsonl(ar.sft_rows(HELD, chat), d / f"sft_{tag}_held.jsonl")
+        files[f"prefs_{tag}"] = ar.write_jsonl(ar.preference_rows(TRAIN, 0, 1, chat), d / f"prefs_{tag}.jsonl")
+        files[f"prefs_{tag}_held"] = ar.write_jsonl(ar.preference_rows(HELD, 7, 1, chat), d / f"prefs_{tag}_held.jsonl")
+        files[f"prompts_{tag}"] = ar.write_jsonl(ar.prompt_rows(TRAIN, chat), d / f"prompts_{tag}.jsonl")
+        files[f"prompts_{tag}_held"] = ar.write_jsonl(ar.prompt_rows(HELD, chat), d / f"prompts_{tag}_held.jsonl")
+    yield files
+    sys.path.remove(str(d))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, ray_align, user_files, tmp_path_factory):
+    """A tiny random model of the family, then SFT on the user's file in the family's natural format."""
+    fam = request.param
+    d = tmp_path_factory.mktemp(fam)
+    base = build_tiny_model(d / "base", family=fam, hidden=64, layers=2)
+    tag = "chat" if CHAT[fam] else "plain"
+    sft = run_sft(base, str(d / "sft"), load(user_files[f"sft_{tag}"], "sft"), load(user_files[f"sft_{tag}_held"], "sft"),
+                  SFTConfig(steps=300, lr=3e-3, batch_size=16), run_name=f"fam-sft-{fam}")
+    return {"name": fam, "dir": d, "base": base, "sft": str(d / "sft"), "sft_metrics": sft, "tag": tag,
+            "end": FAMILIES[fam]}
+
+
+def test_sft_lowers_held_out_loss_in_the_family_format(family):
+    m = family["sft_metrics"]
+    assert m["eval_response_loss_after"] < 0.3 * m["eval_response_loss_before"], m
+    assert m["truncated"] == 0
+
+
+def test_sft_prompt_completion_format_also_learns(family, user_files):
+    """Standard prompt/completion rows on every family (chat templates unused: completion + EOS)."""
+    out = family["dir"] / "sft-plain"
+    m = run_sft(family["base"], str(out), load(user_files["sft_plain"], "sft"), load(user_files["sft_plain_held"], "sft"),
+                SFTConfig(steps=40, lr=3e-3), run_name=f"fam-sftp-{family['name']}")
+    assert m["eval_response_loss_after"] < 0.5 * m["eval_response_loss_before"], m
+
+
+def test_dpo_from_a_preference_file_raises_preference_accuracy(family, user_files):
+    tag = family["tag"]
+    d = run_dpo(family["sft"], str(family["dir"] / "dpo"), load(user_files[f"prefs_{tag}"], "preference"),
+                load(user_files[f"prefs_{tag}_held"], "preference"), DPOConfig(steps=25, lr=5e-4, beta=0.1),
+                run_name=f"fam-dpo-{family['name']}")
+    assert d["preference_accuracy_after"] > d["preference_accuracy_before"] and d["margin_after"] > d["margin_before"], d
+
+
+def test_grpo_with_a_reward_by_import_path_raises_held_out_reward(family, user_files):
+    tag = family["tag"]
+    train = load(user_files[f"prompts_{tag}"], "prompt")
+    held = load(user_files[f"prompts_{tag}_held"], "prompt")
+    g = run_grpo(family["sft"], str(family["dir"] / "grpo"), train, held,
+                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, max_new_tokens=4, eval_every=100),
+                 rewards=["fam_rewards:exact_answer"], run_name=f"fam-grpo-{family['name']}")
+    assert g["eval_reward_after"] > g["eval_reward_before"], g
+    family["grpo"] = str(family["dir"] / "grpo")
+
+
+def test_export_loads_in_plain_transformers_and_stops_at_the_family_end_token(family):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = family.get("grpo", family["sft"])
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    end_id = tok.convert_tokens_to_ids(family["end"])
+    assert end_id in model.generation_config.eos_token_id  # plain generate stops where raypai does
+    fmt = ChatFormat(tok)
+    prompt = [{"role": "user", "content": "2+3="}] if CHAT[family["name"]] else "2+3="
+    ids = torch.tensor([fmt.prompt_ids(prompt)])
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    assert end_id in gen and len(gen) < 8, tok.convert_ids_to_tokens(gen)  # stopped at the end token
+    assert gen.index(end_id) == len(gen) - 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serving_stack(ray_align, tmp_path_factory):
+    """One deploy API (uvicorn) + Ray Serve for the module; each family adds its deployment."""
+    import uvicorn
+    from ray import serve
+
+    from raypai.serving.api import create_app
+    from raypai.settings import Settings
+    from raypai.store import MetadataStore
+    from raypai.tracking import Tracker
+
+    home = tmp_path_factory.mktemp("serve-home")
+    os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
+    settings = Settings.load({"RAYPAI_HOME": str(home)})
+    store = MetadataStore(settings.database_url)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline:
+        time.sleep(0.1)
+    yield {"api": f"http://127.0.0.1:{port}", "tracker": Tracker(settings.mlflow_tracking_uri,
+                                                                artifact_root=home / "mlartifacts"),
+           "deploy": store.create_token("d", ["deploy"]), "infer": store.create_token("i", ["infer"]),
+           "openai": f"http://127.0.0.1:{os.environ['RAYPAI_SERVE_PORT']}/v1"}
+    server.should_exit = True
+    serve.shutdown()
+    os.environ.pop("RAYPAI_SERVE_PORT", None)
+
+
+def test_each_family_deploys_and_answers_the_openai_api_stopping_at_its_end_token(family, serving_stack):
+    """Registered from the exported folder, deployed through the deploy API, queried with `openai`."""
+    import openai
+
+    version = serving_stack["tracker"].register_model(family.get("grpo", family["sft"]), f"fam-{family['name']}")
+    r = httpx.post(f"{serving_stack['api']}/api/v1/deployments", timeout=300,
+                   headers={"Authorization": f"Bearer {serving_stack['deploy']}"},
+                   json={"name": family["name"], "model": f"fam-{family['name']}", "version": version})
+    assert r.status_code == 201, r.text
+    client = openai.OpenAI(base_url=serving_stack["openai"], api_key=serving_stack["infer"])
+    if CHAT[family["name"]]:
+        out = client.chat.completions.create(model=family["name"], messages=[{"role": "user", "content": "2+3="}],
+                                             max_tokens=8, temperature=0)
+        text, reason = out.choices[0].message.content, out.choices[0].finish_reason
+    else:
+        out = client.completions.create(model=family["name"], prompt="2+3=", max_tokens=8, temperature=0)
+        text, reason = out.choices[0].text, out.choices[0].finish_reason
+    assert reason == "stop" and out.usage.completion_tokens < 8, out  # stopped at the end token
+    assert family["end"] not in text and text.strip().isdigit(), text
