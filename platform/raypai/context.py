@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +25,7 @@ class StepContext:
     attempt: int = 0
     key_metrics: dict = field(default_factory=dict)
     _scratch: Path | None = None
+    _reporter: object = None
 
     @property
     def scratch(self) -> Path:
@@ -65,9 +64,19 @@ class StepContext:
         if self.logger:
             self.logger.log_params(params)
 
-    def progress(self, message: str) -> None:
-        """A progress line in the step's Ray log (and the driver's console via log_to_driver)."""
-        print(f"[{time.strftime('%H:%M:%S')}] {self.pipeline}.{self.node}: {message}", file=sys.stderr, flush=True)
+    def progress(self, done: float | str | None = None, total: float | None = None, unit: str = "steps", *,
+                 note: str | None = None) -> None:
+        """How far this step is (`ctx.progress(120, 200, "steps")`, or a note: `ctx.progress("loading")`):
+        the driver shows one summary line per running step (rate, time left). Throttled to 1/s."""
+        self.progress_reporter()(done, total, unit, note=note)
+
+    def progress_reporter(self):
+        """The same reporter as a picklable callable, for the Ray Train workers or actors a step starts."""
+        if self._reporter is None:
+            from raypai.progress import StepProgress
+
+            self._reporter = StepProgress(self.node)
+        return self._reporter
 
     def cleanup(self) -> None:
         if self._scratch is not None:

@@ -8,6 +8,7 @@ steps retry with exponential backoff; their descendants are skipped, independent
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 import traceback
@@ -82,12 +83,27 @@ class Runner:
         self.tracker = tracker_for(self.settings)
 
     def run(self, dag: DAG, *, origin_run_id: str | None = None, source_file: str | None = None) -> RunResult:
-        import ray
+        from raypai.progress import WorkerLogs
 
-        order = dag.order()
+        dag.order()  # a malformed DAG fails before Ray starts
         ray_info = init_ray(self.settings)
         # steps deploy on the Serve port chosen for this Ray (a free one when 8000 is taken)
         self.settings = self.settings.replace(serve_port=ray_info.serve_port)
+        log = self.settings.home / "logs" / (
+            f"{dag.pipeline}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log")
+        # the workers' output goes to `log`; their progress lines reach self.progress as step_progress
+        with WorkerLogs(log, dag.pipeline) as self._logs:
+            self._ray = ray_info
+            return self._run(dag, origin_run_id=origin_run_id, source_file=source_file)
+
+    def _relay_logs(self) -> None:
+        for event in self._logs.drain():
+            self.progress(event)
+
+    def _run(self, dag: DAG, *, origin_run_id: str | None, source_file: str | None) -> RunResult:
+        import ray
+
+        order = dag.order()
         t0 = time.time()
         run_id = self.store.create_run(dag.pipeline, _jsonable(dag.params), source_file=source_file,
                                        origin_run_id=origin_run_id)
@@ -95,7 +111,8 @@ class Runner:
                                                tags={"raypai.run_id": run_id})
         self.tracker.logger(mlflow_parent).log_params(_jsonable(dag.params))
         self.store.update_run(run_id, mlflow_run_id=mlflow_parent, ray_job_id=_ray_job_id())
-        self.progress({"event": "run_started", "run_id": run_id, "pipeline": dag.pipeline, "steps": order})
+        self.progress({"event": "run_started", "run_id": run_id, "pipeline": dag.pipeline, "steps": order,
+                       "log": str(self._logs.path), "ray": self._ray.describe()})
         _register_by_value(dag)
 
         results: dict[str, StepResult] = {}
@@ -126,6 +143,7 @@ class Runner:
                     time.sleep(min(max(0.0, min(w[0] for w in waiting_retry) - time.time()), 1.0))
                 continue
             done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            self._relay_logs()
             for ref in done:
                 node, srid, attempt, started = running.pop(ref)
                 out = _get(ref)
@@ -151,6 +169,7 @@ class Runner:
         self.tracker.end_run(mlflow_parent, "FAILED" if failed else "FINISHED")
         rr = RunResult(run_id, dag.pipeline, state, results, time.time() - t0, mlflow_parent,
                        _resolve(dag.result, results))
+        self._relay_logs()
         self.progress({"event": "run_finished", "result": rr})
         return rr
 
@@ -390,7 +409,8 @@ def _register_by_value(dag: DAG) -> None:
 def _print_progress(event: dict) -> None:
     kind = event["event"]
     if kind == "run_started":
-        print(f"run {event['run_id'][:8]} of {event['pipeline']}: {len(event['steps'])} steps", flush=True)
+        print(f"run {event['run_id'][:8]} of {event['pipeline']}: {len(event['steps'])} steps; "
+              f"worker logs: {event['log']}", flush=True)
     elif kind == "step_started":
         print(f"  ▶ {event['node']} started", flush=True)
     elif kind == "step_retry":

@@ -29,6 +29,10 @@ ray_app = typer.Typer(help="raypai's local Ray head (free ports, recorded under 
 app.add_typer(ray_app, name="ray")
 
 
+_VERBOSE = ("also print every worker log line (Ray Data, Ray Train, alignment) instead of one progress line per "
+            "running step; they always go to the run's log file [RAYPAI_VERBOSE=1]")
+
+
 def _settings():
     from raypai.settings import Settings
 
@@ -67,14 +71,15 @@ def _finish(result) -> None:
 
 @app.command()
 def run(target: str = typer.Argument(..., help="FILE.py[:PIPELINE] or package.module[:PIPELINE]"),
-        param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)")):
+        param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE)):
     """Run a pipeline; unchanged steps are cache hits."""
     from raypai.loader import load_pipeline
     from raypai.runner import Runner
 
     pipe = load_pipeline(target)
     dag = pipe.build(**_parse_params(param))
-    result = Runner(_settings(), progress=Progress()).run(dag, source_file=_target_file(target))
+    result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(dag, source_file=_target_file(target))
     _finish(result)
 
 
@@ -85,7 +90,8 @@ def _target_file(target: str) -> str:
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or interrupted run")):
+def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or interrupted run"),
+           verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE)):
     """Re-run a run: finished steps are reused, failed/unfinished ones run again."""
     from raypai.loader import load_pipeline
     from raypai.runner import Runner
@@ -98,7 +104,8 @@ def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or
     pipe = load_pipeline(f"{source}:{origin['pipeline']}")
     dag = pipe.build(**origin["params"])
     console.print(f"resuming run {origin['id'][:12]} ({origin['state']}) of {origin['pipeline']}")
-    result = Runner(_settings(), progress=Progress()).run(dag, origin_run_id=origin["id"], source_file=source)
+    result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(dag, origin_run_id=origin["id"],
+                                                                                source_file=source)
     _finish(result)
 
 
@@ -317,6 +324,8 @@ _mount()
 
 
 def main() -> None:
+    # MLflow's INFO lines (creating a tracking database) would interleave with the run display
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     try:
         app()
     except RaypaiError as exc:

@@ -1,12 +1,18 @@
-"""Rich rendering for the CLI: live step progress, run tables, lineage trees."""
+"""Rich rendering for the CLI: the run display (steps, one progress line each), run tables, lineage trees."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
+
+from raypai.progress import Meter
 
 console = Console(stderr=False)
 _STYLE = {"succeeded": "green", "cached": "cyan", "failed": "red", "skipped": "yellow", "running": "blue",
@@ -14,29 +20,78 @@ _STYLE = {"succeeded": "green", "cached": "cyan", "failed": "red", "skipped": "y
 
 
 class Progress:
-    """Prints one line per step event, with elapsed time; steps keep running while this prints."""
+    """The run display: one line per step event, and for each running step ONE line that
+    summarises its progress (done/total, rate, time left) instead of the workers' own bars and
+    logs, which go to the run's log file (its path is printed first). On a terminal the running
+    lines redraw in place; in a pipe or file a step's line is printed when it first reports and then
+    at most every `every_s` seconds. `verbose` also prints every worker log line."""
 
-    def __init__(self):
+    def __init__(self, *, verbose: bool | None = None, every_s: float = 10.0, out: Console | None = None):
         self.t0 = time.time()
+        self.console = out or console
+        self.verbose = os.environ.get("RAYPAI_VERBOSE", "") == "1" if verbose is None else verbose
+        self.every_s = every_s
+        self.meters: dict[str, Meter] = {}
+        self.started: dict[str, float] = {}
+        self.printed: dict[str, float] = {}
+        self.live: Live | None = None
 
     def __call__(self, event: dict) -> None:
         el = f"[dim]{time.time() - self.t0:7.1f}s[/]"
         kind = event["event"]
         if kind == "run_started":
-            console.print(f"{el} [bold]run {event['run_id'][:8]}[/] of [bold]{event['pipeline']}[/]: "
-                          f"{' → '.join(event['steps'])}")
+            self.console.print(f"{el} [bold]run {event['run_id'][:8]}[/] of [bold]{event['pipeline']}[/]: "
+                               f"{' → '.join(event['steps'])}")
+            if event.get("ray"):
+                self.console.print(f"{' ' * 9} [dim]ray:[/]  {escape(event['ray'])}", soft_wrap=True)
+            if event.get("log"):
+                self.console.print(f"{' ' * 9} [dim]logs:[/] {escape(event['log'])}"
+                                   + ("" if self.verbose else "  (--verbose prints them here too)"), soft_wrap=True)
         elif kind == "step_started":
-            console.print(f"{el}   [blue]▶[/] {event['node']}")
+            self.started[event["node"]] = time.time()
+            self.meters[event["node"]] = Meter()
+            self.console.print(f"{el}   [blue]▶[/] {event['node']}")
+            self._live()
+        elif kind == "step_progress":
+            u = event["update"]
+            meter = self.meters.setdefault(u.node, Meter())
+            meter.add(u)
+            if self.live is None and u.node in self.started and (
+                    u.node not in self.printed or time.time() - self.printed[u.node] >= self.every_s):
+                self.printed[u.node] = time.time()
+                self.console.print(f"{el}     [blue]⋯[/] {u.node}  {escape(meter.summary())}", soft_wrap=True)
+        elif kind == "worker_log":
+            if self.verbose:
+                self.console.print(f"[dim]{escape(event['line'])}[/]", soft_wrap=True, highlight=False)
         elif kind == "step_retry":
-            console.print(f"{el}   [yellow]↻[/] {event['node']} retry {event['attempt']} in {event['delay_s']:.1f}s: "
-                          f"{event['error']}")
+            self.console.print(f"{el}   [yellow]↻[/] {event['node']} retry {event['attempt']} in "
+                               f"{event['delay_s']:.1f}s: {event['error']}")
         elif kind == "step_finished":
             r = event["result"]
+            self.started.pop(r.node, None)
+            meter = self.meters.pop(r.node, None)
+            done = f" [dim]· {escape(meter.summary())}[/]" if meter is not None and meter.last is not None else ""
             style = _STYLE.get(r.state, "white")
             note = " [dim](cache hit)[/]" if r.state == "cached" else ""
-            err = f"\n{' ' * 12}[red]{r.error}[/]" if r.error and r.state == "failed" else ""
-            console.print(f"{el}   [{style}]{'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} "
-                          f"{r.state}[/] {r.seconds:.1f}s{note}{err}")
+            err = f"\n{' ' * 12}[red]{escape(r.error)}[/]" if r.error and r.state == "failed" else ""
+            self.console.print(f"{el}   [{style}]{'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} "
+                               f"{r.state}[/] {r.seconds:.1f}s{note}{done}{err}")
+        elif kind == "run_finished" and self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def _live(self) -> None:
+        """On a terminal, the running steps' lines stay under the printed ones and redraw in place."""
+        if self.live is None and self.console.is_terminal:
+            self.live = Live(get_renderable=self._running, console=self.console, refresh_per_second=4,
+                             transient=True)
+            self.live.start()
+
+    def _running(self):
+        lines = [f"{' ' * 11}[blue]⋯[/] {node} [dim]{time.time() - t:.0f}s[/]  "
+                 f"{escape(self.meters[node].summary()) if node in self.meters else ''}"
+                 for node, t in self.started.items()]
+        return Text.from_markup("\n".join(lines)) if lines else Text("")
 
 
 def summary_table(result) -> Table:

@@ -1,0 +1,215 @@
+"""raypai.runtime: free ports for everything raypai starts, recorded under RAYPAI_HOME, found again by
+later commands; `make demo-stop` stops raypai's Ray head and nothing else."""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from raypai import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PIPELINE = '''
+from raypai import Artifact, StepContext, pipeline, step
+from raypai.serving.steps import deploy, register
+
+
+@step(cpus=0.5)
+def tiny_model(ctx: StepContext, seed: int = 0) -> Artifact:
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    out = ctx.output_dir("model")
+    build_tiny_model(out, hidden=32, layers=1, heads=2, kv_heads=1, seed=seed)
+    return ctx.save(out, kind="model", name="tiny")
+
+
+@pipeline
+def ports(seed: int = 0):
+    return deploy(register(tiny_model(seed=seed), name="tiny"), name="tiny", cpus=0.5)
+'''
+
+
+@contextlib.contextmanager
+def hold(*ports):
+    """Listening sockets on `ports`; yields the ports held here. A port another process listens on
+    already (Redis on 6379) is left to it."""
+    socks = []
+    try:
+        for port in ports:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen()
+                socks.append(s)
+            except OSError:
+                s.close()
+            assert not runtime.port_is_free(port), port
+        yield {s.getsockname()[1] for s in socks}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYPAI_", "MLFLOW_TRACKING", "RAY_ADDRESS"))}
+    env.update(RAYPAI_HOME=str(home), RAYPAI_DASHBOARD="1", COLUMNS="200")
+    return env
+
+
+def test_pick_port_keeps_a_free_default_and_replaces_a_taken_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert runtime.port_is_free(free) and runtime.pick_port(free) == free
+    with hold(free):
+        other = runtime.pick_port(free)
+        assert other != free and runtime.port_is_free(other)
+        assert runtime.pick_port(free, avoid={other}) not in (free, other)
+    assert runtime.port_is_free(free)  # released
+
+
+def test_a_pinned_port_that_is_taken_is_one_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.listen()
+        out = subprocess.run([sys.executable, "-m", "raypai.cli", "server", "--port", str(port)], cwd=tmp_path,
+                             env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"deploy API port {port} is in use" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def test_stop_without_a_head_stops_nothing(tmp_path):
+    from raypai.settings import Settings
+
+    settings = Settings.load({"RAYPAI_HOME": str(tmp_path)})
+    assert runtime.load_state(settings).head is None
+    assert runtime.stop_head(settings) == []
+
+
+def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays(tmp_path):
+    """The demo's start-up path (`raypai ray start`, what `make demo` runs first) with Ray's 6379,
+    8265, 10001, Serve's 8000 and the deploy API's 8080 all taken; a pipeline joins that head and
+    deploys a tiny model that answers over HTTP on the recorded Serve port; `raypai server` and
+    `raypai deploy` find each other; `make demo-stop` stops that head, and a Ray this test started
+    itself keeps running."""
+    import ray
+
+    from raypai.settings import Settings
+
+    home = tmp_path / "home"
+    env = _env(home)
+    settings = Settings.load({"RAYPAI_HOME": str(home)})
+    (tmp_path / "ports.py").write_text(PIPELINE)
+
+    def raypai(*args, ok=True, timeout=600):
+        out = subprocess.run([sys.executable, "-m", "raypai.cli", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+        assert (out.returncode == 0) == ok, out.stdout + out.stderr
+        return out
+
+    # another Ray on this machine, started without raypai: demo-stop must leave it alone
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    other_gcs = ray.get_runtime_context().gcs_address
+    server = None
+    try:
+        with hold(6379, 8265, 10001, 8000, 8080) as held:
+            # a default some other process held may have been freed meanwhile: check the ones held here
+            # (and 6379, which is held here or by this machine's Redis)
+            taken = held | {6379}
+            started = raypai("ray", "start", "--num-cpus", "6")
+            head = runtime.load_state(settings).head
+            assert head is not None, started.stdout
+            gcs_port = int(head.address.rsplit(":", 1)[1])
+            dashboard_port = int(head.dashboard_url.rsplit(":", 1)[1])
+            chosen = {gcs_port, dashboard_port, head.client_port, head.serve_port}
+            assert len(chosen) == 4 and not chosen & taken, (chosen, taken)
+            for shown in (head.address, head.dashboard_url, f"ray://127.0.0.1:{head.client_port}",
+                          f"http://127.0.0.1:{head.serve_port}/v1"):
+                assert shown in started.stdout, started.stdout  # what was chosen is printed
+            assert httpx.get(head.dashboard_url, timeout=30).status_code == 200
+
+            again = raypai("ray", "start")  # a second `make demo` reuses the head
+            assert "reusing" in again.stdout and runtime.load_state(settings).head == head
+
+            run = raypai("run", str(tmp_path / "ports.py"))
+            assert "deploy succeeded" in run.stdout, run.stdout
+            token = raypai("token", "create", "client", "--scope", "infer").stdout.strip().splitlines()[0]
+            r = httpx.post(f"http://127.0.0.1:{head.serve_port}/v1/chat/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {token}"},
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 3})
+            assert r.status_code == 200 and r.headers["x-raypai-model-version"] == "tiny/1", r.text
+
+            # the deploy API: 8080 is taken, so it records the port it took; `raypai deploy` finds it there
+            log = open(tmp_path / "server.log", "w")
+            server = subprocess.Popen([sys.executable, "-m", "raypai.cli", "server"], cwd=tmp_path, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT)
+            api = _wait_for(lambda: runtime.load_state(settings).endpoints.get("api"), 120, tmp_path / "server.log")
+            assert int(api.url.rsplit(":", 1)[1]) not in taken
+            _wait_for(lambda: _healthy(api.url + "/healthz"), 120, tmp_path / "server.log")
+            deploy_token = raypai("token", "create", "ops", "--scope", "deploy").stdout.strip().splitlines()[0]
+            listed = subprocess.run([sys.executable, "-m", "raypai.cli", "deploy", "list"], cwd=tmp_path,
+                                    env={**env, "RAYPAI_TOKEN": deploy_token}, capture_output=True, text=True,
+                                    timeout=120)
+            assert listed.returncode == 0 and '"name": "tiny"' in listed.stdout, listed.stdout + listed.stderr
+            lineage = raypai("lineage", "--deployment", "tiny")
+            assert "tiny_model" in lineage.stdout
+            server.terminate()
+            server.wait(30)
+
+        head_pids = [p for p in head.pids if runtime._pid_alive(p)]
+        assert head_pids
+        stop = subprocess.run(["make", "-C", str(ROOT), "demo-stop"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "stopped raypai's Ray head" in stop.stdout
+        assert not any(runtime._pid_alive(p) for p in head_pids)
+        assert runtime.load_state(settings).head is None and runtime.port_is_free(gcs_port)
+        # the other Ray still runs and still answers
+        assert ray.get_runtime_context().gcs_address == other_gcs
+        assert ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60) == 42
+    finally:
+        if server is not None and server.poll() is None:
+            server.kill()
+        runtime.stop_head(settings)
+        ray.shutdown()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_for(check, timeout_s: float, log: Path):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out; log:\n{log.read_text()[-3000:]}")
+
+
+def test_runtime_json_is_what_load_state_reads(tmp_path):
+    """A recorded head whose processes are gone is not reported as running."""
+    from raypai.settings import Settings
+
+    settings = Settings.load({"RAYPAI_HOME": str(tmp_path)})
+    runtime.state_path(settings).write_text(json.dumps({"head": {
+        "address": "127.0.0.1:1", "dashboard_url": None, "client_port": 1, "serve_port": 1, "temp_dir": "/nope",
+        "session_dir": "/nope/session_x", "pids": [os.getpid()], "num_cpus": 1, "auth_mode": "token",
+        "started_at": 0.0}, "endpoints": {"api": {"url": "http://127.0.0.1:1", "pid": os.getpid()},
+                                          "mlflow_ui": {"url": "http://127.0.0.1:2", "pid": 2 ** 22 + 1}}}))
+    state = runtime.load_state(settings)
+    assert state.head is None  # this pid runs pytest, not that head's GCS
+    assert list(state.endpoints) == ["api"]  # the UI's pid does not exist
