@@ -47,7 +47,28 @@ def run_checks(settings: Settings) -> list[tuple[str, bool, str]]:
         except Exception as exc:  # noqa: BLE001
             out.append((mod, False, f"import failed: {exc}"))
     out.append(("python", sys.version_info >= (3, 10), sys.version.split()[0]))
+    out.extend(runtime_checks(settings))
     return out
+
+
+def runtime_checks(settings: Settings) -> list[tuple[str, bool, str]]:
+    """Where raypai's Ray runs, and which default ports are taken (raypai then picks free ones)."""
+    from raypai.runtime import DEFAULT_PORTS, load_state, port_is_free, state_path
+
+    try:
+        state = load_state(settings)
+    except Exception as exc:  # noqa: BLE001 - report, don't crash
+        return [("ray runtime", False, f"{state_path(settings)}: {exc}")]
+    if settings.ray_address:
+        where = f"RAY_ADDRESS={settings.ray_address}: runs join that cluster"
+    elif state.head is not None:
+        where = (f"raypai's Ray head at {state.head.address} (dashboard {state.head.dashboard_url or 'off'}, "
+                 f"Serve port {state.head.serve_port}); `raypai ray stop` stops it")
+    else:
+        where = "no Ray head recorded: each run starts a local Ray; `raypai ray start` keeps one up"
+    taken = [f"{port} ({name})" for name, port in DEFAULT_PORTS.items() if not port_is_free(port)]
+    ports = ("in use, raypai picks free ones instead: " + ", ".join(taken)) if taken else "all free"
+    return [("ray runtime", True, where), ("default ports", True, ports)]
 
 
 def _redact(url: str) -> str:

@@ -29,7 +29,8 @@ import typer
 
 from raypai.errors import ConfigError, StoreError
 
-__all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up"]
+__all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up",
+           "with_free_ports"]
 
 _DB_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -290,6 +291,24 @@ def load_config(home: Path | None = None, **overrides) -> ServicesConfig:
     return ServicesConfig(home=Path(home), **values)
 
 
+def with_free_ports(cfg: ServicesConfig, pinned: set[str] = frozenset()) -> ServicesConfig:
+    """The config with each port that is taken, by something other than our own running service,
+    replaced by a free one (the default when it is free); ports in `pinned` (given by the user)
+    are kept, and `up` reports the conflict."""
+    from dataclasses import replace
+
+    from raypai.runtime import pick_port, port_is_free
+
+    changes: dict[str, int] = {}
+    for name, field in (("s3", "s3_port"), ("mlflow", "mlflow_port")):
+        port = getattr(cfg, field)
+        if field in pinned or _pid(cfg, name) is not None or port_is_free(port):
+            continue
+        changes[field] = pick_port(ServicesConfig.__dataclass_fields__[field].default,
+                                   avoid={cfg.s3_port, cfg.mlflow_port, *changes.values()})
+    return replace(cfg, **changes) if changes else cfg
+
+
 services_app = typer.Typer(help="Local S3 + MLflow (PostgreSQL backend) servers: up, status, env, down.",
                            no_args_is_help=True)
 
@@ -298,12 +317,13 @@ services_app = typer.Typer(help="Local S3 + MLflow (PostgreSQL backend) servers:
 def up_command(
     postgres_url: str = typer.Option(None, help="an existing database on the server [postgresql+psycopg://"
                                      "postgres@127.0.0.1:5432/postgres]"),
-    mlflow_port: int = typer.Option(None, help="MLflow server port [5000]"),
-    s3_port: int = typer.Option(None, help="S3 server port [9000]"),
+    mlflow_port: int = typer.Option(None, help="MLflow server port [5000, or a free one when taken]"),
+    s3_port: int = typer.Option(None, help="S3 server port [9000, or a free one when taken]"),
     bucket: str = typer.Option(None, help="S3 bucket for artifacts [raypai]"),
 ):
     """Start the S3 and MLflow servers (PostgreSQL backend) and print the variables to export."""
     cfg = load_config(postgres_url=postgres_url, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket)
+    cfg = with_free_ports(cfg, pinned={k for k, v in {"mlflow_port": mlflow_port, "s3_port": s3_port}.items() if v})
     env = up(cfg)
     typer.echo(f"S3 server {cfg.s3_endpoint} (bucket {cfg.bucket}); MLflow {cfg.mlflow_uri} "
                f"(backend {cfg.db_url(cfg.mlflow_db)}); logs in {cfg.dir}", err=True)

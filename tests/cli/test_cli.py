@@ -76,5 +76,6 @@ def test_bad_input_gives_one_clear_error_without_traceback(cli, tmp_path):
 
 def test_doctor_reports_every_check(cli):
     out = cli("doctor")
-    for check in ("stdlib platform not shadowed", "metadata database", "MLflow tracking", "ray", "deepspeed"):
+    for check in ("stdlib platform not shadowed", "metadata database", "MLflow tracking", "ray", "deepspeed",
+                  "ray runtime", "default ports"):
         assert check in out.stdout
