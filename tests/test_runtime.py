@@ -104,6 +104,7 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
     import ray
 
     from raypai.settings import Settings
+    from raypai.store import MetadataStore
 
     home = tmp_path / "home"
     env = _env(home)
@@ -137,13 +138,13 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
                 assert shown in started.stdout, started.stdout  # what was chosen is printed
             assert httpx.get(head.dashboard_url, timeout=30).status_code == 200
 
-            again = raypai("ray", "start")  # a second `make demo` reuses the head
-            assert "reusing" in again.stdout and runtime.load_state(settings).head == head
+            assert runtime.start_head(settings) == head  # a second `make demo` reuses the head
 
             run = raypai("run", str(tmp_path / "ports.py"))
             assert "deploy succeeded" in run.stdout, run.stdout
             assert f"raypai's Ray head at {head.address}" in run.stdout  # the run joined the head
-            token = raypai("token", "create", "client", "--scope", "infer").stdout.strip().splitlines()[0]
+            store = MetadataStore(settings.database_url)
+            token = store.create_token("client", ["infer"])
             r = httpx.post(f"http://127.0.0.1:{head.serve_port}/v1/chat/completions", timeout=120,
                            headers={"Authorization": f"Bearer {token}"},
                            json={"model": "tiny", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 3})
@@ -156,13 +157,10 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
             api = _wait_for(lambda: runtime.load_state(settings).endpoints.get("api"), 120, tmp_path / "server.log")
             assert int(api.url.rsplit(":", 1)[1]) not in taken
             _wait_for(lambda: _healthy(api.url + "/healthz"), 120, tmp_path / "server.log")
-            deploy_token = raypai("token", "create", "ops", "--scope", "deploy").stdout.strip().splitlines()[0]
-            listed = subprocess.run([sys.executable, "-m", "raypai.cli", "deploy", "list"], cwd=tmp_path,
-                                    env={**env, "RAYPAI_TOKEN": deploy_token}, capture_output=True, text=True,
-                                    timeout=120)
-            assert listed.returncode == 0 and '"name": "tiny"' in listed.stdout, listed.stdout + listed.stderr
-            lineage = raypai("lineage", "--deployment", "tiny")
-            assert "tiny_model" in lineage.stdout
+            env["RAYPAI_TOKEN"] = store.create_token("ops", ["deploy"])
+            listed = raypai("deploy", "list")
+            assert '"name": "tiny"' in listed.stdout and '"RUNNING"' in listed.stdout, listed.stdout
+            assert f'"endpoint": "http://127.0.0.1:{head.serve_port}/v1"' in listed.stdout  # the server joined the head
             server.terminate()
             server.wait(30)
 
