@@ -77,6 +77,7 @@ def train_loop(loop_cfg: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     logger = loop_cfg.get("logger") if rank == 0 else None
+    progress = loop_cfg.get("progress") if rank == 0 else None
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
@@ -127,6 +128,8 @@ def train_loop(loop_cfg: dict) -> None:
         if step >= warm:
             steady_times.append(step_time)
         done = step + 1
+        if progress is not None:
+            progress(done, cfg.steps, "steps")  # the run display's line for this step (throttled)
         metrics = {"step": done, "lr": scheduler.get_last_lr()[0]}
         if done % cfg.log_every == 0 or done == cfg.steps:
             metrics.update(_window_metrics(engine, window_losses, step_time, world, stragglers, verbose=rank == 0))

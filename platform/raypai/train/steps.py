@@ -57,7 +57,8 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
                "pipeline": ctx.pipeline, "pipeline_run": ctx.run_id, "step_run": ctx.step_run_id}
     ctx.progress(f"pretraining {cfg.steps} steps on {cfg.workers} Ray Train workers")
     res = run_pretrain(shards.local_path(), tokenizer.local_path(), out, cfg, name=f"pretrain-{key.hexdigest()[:16]}",
-                       storage_path=ctx.settings.home / "train", logger=ctx.logger, lineage=lineage)
+                       storage_path=ctx.settings.home / "train", logger=ctx.logger, lineage=lineage,
+                       progress=ctx.progress_reporter())
     m, info = res["metrics"], res["info"]
     ctx.log_metrics({"final_loss": m.get("loss", 0.0), "final_eval_loss": m.get("eval_loss", 0.0),
                      "n_params": info["n_params"], "train_seconds": res["seconds"]})

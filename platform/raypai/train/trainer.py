@@ -70,12 +70,14 @@ def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path 
 
 
 def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: str | Path, cfg: PretrainConfig, *,
-             name: str, storage_path: str | Path, logger=None, resume: bool = True, lineage: dict | None = None) -> dict:
+             name: str, storage_path: str | Path, logger=None, resume: bool = True, lineage: dict | None = None,
+             progress=None) -> dict:
     """Train on the running Ray cluster and export the final model as an HF folder in `out_dir`.
 
     A second call with the same `name` and `storage_path` (a restarted driver) continues from the
     run's latest checkpoint; `resume=False` starts over. `logger`: any picklable object with
     `log_metrics(dict, step=)` and `log_params(dict)` (raypai's `RunLogger`), used on rank 0.
+    `progress`: a picklable `progress(done, total, unit)` (a step's `ctx.progress_reporter()`), called on rank 0.
     Returns {"metrics", "info", "config", "seconds", "checkpoint_path"}.
     """
     import ray
@@ -98,7 +100,8 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
     eval_ref = ray.put(load_blocks(shards_dir, "eval")[1])
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": cfg.to_dict(), "plan": info, "logger": logger, "train_ref": train_ref,
+        train_loop_config={"config": cfg.to_dict(), "plan": info, "logger": logger, "progress": progress,
+                           "train_ref": train_ref,
                            "eval_ref": eval_ref, "run_dir": str(run_dir.absolute())},
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
