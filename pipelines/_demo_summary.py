@@ -46,8 +46,16 @@ def print_summary(settings, result) -> None:
         f"print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': '3+4='}}], max_tokens=4))\"",
         "",
         f"[bold]lineage[/]   raypai lineage --deployment {name}",
-        "[bold]MLflow UI[/] raypai ui  →  http://127.0.0.1:5000",
-        "[bold]Ray dashboard[/] http://127.0.0.1:8265",
-        "[bold]deploy API[/] raypai server  →  http://127.0.0.1:8080/docs",
+        "[bold]MLflow UI[/] raypai ui  →  the URL it prints (port 5000 unless taken)",
+        f"[bold]Ray dashboard[/] {_dashboard(settings)}",
+        "[bold]deploy API[/] raypai server  →  /docs on the port it prints (8080 unless taken)",
     ]
     console.print(Panel("\n".join(lines), title="tinychat is up", expand=False))
+
+
+def _dashboard(settings) -> str:
+    """The dashboard of the Ray head `make demo` started (its port is chosen and recorded at start)."""
+    from raypai.runtime import load_state
+
+    head = load_state(settings).head
+    return (head.dashboard_url or "off") if head is not None else "only while a run's local Ray is up"
