@@ -67,13 +67,6 @@ def tracker_for(settings: Settings) -> Tracker:
     return tracker(settings)
 
 
-def init_ray(settings: Settings):
-    """Start or join Ray for `settings` (kept for callers of the old name; see raypai.runtime)."""
-    from raypai.runtime import ensure_ray
-
-    return ensure_ray(settings)
-
-
 class Runner:
     def __init__(self, settings: Settings | None = None, progress=None):
         self.settings = settings or Settings.load()
@@ -84,9 +77,10 @@ class Runner:
 
     def run(self, dag: DAG, *, origin_run_id: str | None = None, source_file: str | None = None) -> RunResult:
         from raypai.progress import WorkerLogs
+        from raypai.runtime import ensure_ray
 
         dag.order()  # a malformed DAG fails before Ray starts
-        ray_info = init_ray(self.settings)
+        ray_info = ensure_ray(self.settings)
         # steps deploy on the Serve port chosen for this Ray (a free one when 8000 is taken)
         self.settings = self.settings.replace(serve_port=ray_info.serve_port)
         log = self.settings.home / "logs" / (

@@ -30,7 +30,7 @@ def train_command(
     import ray
 
     from raypai.errors import RaypaiError
-    from raypai.runner import init_ray
+    from raypai.runtime import ensure_ray
     from raypai.settings import Settings
     from raypai.train import PretrainConfig, pretrain
 
@@ -40,7 +40,7 @@ def train_command(
         raw.update({k: v for k, v in overrides.items() if v is not None})
         cfg = PretrainConfig.from_dict(raw).validate()
         settings = Settings.load()
-        init_ray(settings)
+        ensure_ray(settings)
         res = pretrain(shards_dir, tokenizer, out_dir, cfg, name=name, storage_path=settings.home / "train",
                        resume=not fresh)
     except RaypaiError as exc:
