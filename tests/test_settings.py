@@ -31,3 +31,19 @@ def test_invalid_values_are_all_reported_with_fixes(tmp_path):
     for name in ("RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "RAYPAI_RAY_NUM_CPUS", "RAY_ADDRESS"):
         assert name in text
     assert "postgresql+psycopg://" in text  # the fix is named
+
+
+def test_ports_and_dashboard_settings(tmp_path):
+    s = Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_PORT": "18000", "RAYPAI_DASHBOARD": "0"})
+    assert s.serve_port == 18000 and s.dashboard is False
+    assert Settings.load(s.to_env()) == s  # workers rebuild the same settings
+    defaults = Settings.load({"RAYPAI_HOME": str(tmp_path)})
+    assert defaults.serve_port is None and defaults.dashboard is True  # None: raypai.runtime picks a free port
+    cfg = tmp_path / "raypai.toml"
+    cfg.write_text("[raypai]\ndashboard = false\nserve_port = 18001\n")
+    from_file = Settings.load({"RAYPAI_CONFIG": str(cfg), "RAYPAI_HOME": str(tmp_path)})
+    assert from_file.dashboard is False and from_file.serve_port == 18001
+    with pytest.raises(ConfigError) as err:
+        Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_PORT": "70000", "RAYPAI_DASHBOARD": "maybe"})
+    assert len(err.value.problems) == 2
+    assert "RAYPAI_SERVE_PORT='70000'" in str(err.value) and "RAYPAI_DASHBOARD='maybe'" in str(err.value)

@@ -4,6 +4,12 @@
 
 See DESIGN §2: the same pipeline runs on a laptop (SQLite, local MLflow, local artifact folder)
 and on a cluster (PostgreSQL, MLflow server, s3://) with no code change.
+
+Read by hand rather than with pydantic-settings: the variables mix raypai's prefix with other
+tools' names (MLFLOW_TRACKING_URI, RAY_ADDRESS), defaults derive from RAYPAI_HOME, the TOML file
+holds a [raypai] table, and every problem must come back in one ConfigError naming the fix.
+Entry points load Settings once (`Settings.load()`) and pass them down; raypai.runtime turns them
+into a running Ray.
 """
 
 from __future__ import annotations
