@@ -238,3 +238,26 @@ def test_services_move_off_taken_default_ports_unless_pinned(tmp_path):
         assert moved.mlflow_port != 5000 and moved.s3_port != 9000 and moved.mlflow_port != moved.s3_port
         assert runtime.port_is_free(moved.mlflow_port) and runtime.port_is_free(moved.s3_port)
         assert with_free_ports(cfg, pinned={"mlflow_port"}).mlflow_port == 5000  # `up` then names the conflict
+
+
+def test_ui_takes_a_free_port_when_5000_is_taken_and_records_it(tmp_path):
+    import signal
+
+    from raypai.settings import Settings
+
+    settings = Settings.load({"RAYPAI_HOME": str(tmp_path / "home")})
+    with hold(5000) as held, open(tmp_path / "ui.log", "w") as log:
+        ui = subprocess.Popen([sys.executable, "-m", "raypai.cli", "ui"], cwd=tmp_path, env=_env(tmp_path / "home"),
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            ep = _wait_for(lambda: runtime.load_state(settings).endpoints.get("mlflow_ui"), 120, tmp_path / "ui.log")
+            port = int(ep.url.rsplit(":", 1)[1])
+            assert port != 5000 or 5000 not in held
+            # the recorded process is the MLflow server on that port (its first start migrates a fresh
+            # database for a minute on this machine, so the test does not wait for it to answer)
+            assert f"--port {port}" in runtime._cmdline(ep.pid) and "mlflow" in runtime._cmdline(ep.pid)
+            _wait_for(lambda: f"MLflow UI:      {ep.url}" in (tmp_path / "ui.log").read_text(), 30,
+                      tmp_path / "ui.log")  # the chosen port is printed
+        finally:
+            os.killpg(ui.pid, signal.SIGTERM)  # the CLI and the MLflow server it started
+            ui.wait(30)
