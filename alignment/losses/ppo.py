@@ -40,7 +40,7 @@ def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torc
     Ouyang et al. 2022, eq. 2)."""
     rewards = -kl_coef * (logp - ref_logp) * mask
     last = mask.long().cumsum(1).argmax(1)  # first index where the running count peaks = last completion token
-    rewards[torch.arange(len(score)), last] += score
+    rewards[torch.arange(len(score), device=rewards.device), last] += score
     return rewards
 
 
@@ -51,7 +51,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     V after the last completion token is 0 (the episode ends). Returns (advantages, returns), (B, T)."""
     mask = mask.to(rewards.dtype)
     adv = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    running = rewards.new_zeros(rewards.shape[0])  # on the inputs' device and dtype
     T = rewards.shape[1]
     for t in reversed(range(T)):
         cont = mask[:, t + 1] if t + 1 < T else torch.zeros_like(running)  # 1 while the episode goes on

@@ -72,7 +72,7 @@ class PolicyTrainer:
         # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
         entropy = -masked_mean(lp.detach(), batch["response_mask"]).item()
         return {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
-                **stats}
+                **{k: v.item() for k, v in stats.items()}}
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""

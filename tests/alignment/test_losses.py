@@ -136,3 +136,25 @@ def test_gae_stops_at_the_end_of_each_completion():
                    torch.tensor([[0, 1, 1, 0]]), gamma=1.0, lam=1.0)
     assert adv.tolist()[0] == pytest.approx([0.0, 0.5, 0.5, 0.0])
     assert ret.tolist()[0] == pytest.approx([0.0, 1.0, 1.0, 0.0])
+
+
+@pytest.mark.parametrize("device, dtype", [("meta", torch.float32), ("cpu", torch.float64)])
+def test_every_loss_and_advantage_stays_on_its_inputs_device_and_dtype(device, dtype):
+    """A tensor allocated inside a pure function on the default device/dtype (the CPU, float32) would
+    clash with inputs on another device (meta stands in for a GPU: any CPU tensor mixed in raises)
+    or silently change precision (float64 in, float32 out)."""
+    B, T = 4, 5
+    t = lambda *shape: torch.randn(*shape, dtype=dtype).to(device)  # noqa: E731
+    mask = torch.ones(B, T, dtype=dtype).to(device)
+    lp, old, ref, values = t(B, T), t(B, T), t(B, T), t(B, T)
+    outs = [dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1).loss,
+            dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1, loss_type="ipo",
+                     lengths=ChosenRejected(t(B), t(B))).loss,
+            bradley_terry_loss(t(B), t(B), margin=0.5)[0],
+            grpo_advantages(t(B), 2), k3_kl(lp, ref),
+            grpo_loss(lp, old, ref, t(B), mask, clip_eps=0.2, clip_eps_high=None, beta=0.04, aggregation="dapo")[0],
+            clipped_surrogate(lp, old, t(B, T), clip_eps=0.2)[0], masked_whiten(lp, mask),
+            kl_penalized_rewards(t(B), lp, ref, mask, 0.05), *gae(t(B, T), values, mask, 1.0, 0.95),
+            clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2)]
+    for out in outs:
+        assert out.device.type == device and out.dtype == dtype, (out.device, out.dtype)
