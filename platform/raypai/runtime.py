@@ -36,8 +36,9 @@ from pathlib import Path
 from raypai.errors import ConfigError, RaypaiError
 from raypai.settings import Settings
 
-__all__ = ["DEFAULT_PORTS", "Endpoint", "HeadState", "RayInfo", "RuntimeState", "ensure_ray", "load_state",
-           "pick_port", "port_is_free", "record_endpoint", "start_head", "stop_head", "tracker", "worker_env"]
+__all__ = ["DEFAULT_PORTS", "Endpoint", "HeadState", "RayInfo", "RuntimeStartError", "RuntimeState", "check_port",
+           "endpoint_url", "ensure_ray", "load_state", "pick_port", "port_is_free", "record_endpoint", "start_head",
+           "state_path", "stop_head", "tracker", "worker_env"]
 
 DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "dashboard_agent": 52365, "serve": 8000,
                  "api": 8080, "mlflow_ui": 5000}
