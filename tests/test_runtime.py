@@ -76,6 +76,23 @@ def test_pick_port_keeps_a_free_default_and_replaces_a_taken_one():
     assert runtime.port_is_free(free)  # released
 
 
+def test_a_stopped_servers_time_wait_connections_do_not_hold_its_port():
+    """After a server (Ray's GCS) stops, its closed connections linger in TIME_WAIT; a new server
+    binds with SO_REUSEADDR regardless, so the port counts as free again."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = srv.accept()
+    assert not runtime.port_is_free(port)
+    accepted.close()  # the server side closes first: its end waits in TIME_WAIT
+    srv.close()
+    client.close()
+    assert runtime.port_is_free(port)
+
+
 def test_a_pinned_port_that_is_taken_is_one_clear_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,6 +57,8 @@ def port_is_free(port: int) -> bool:
     """Nothing listens on `port` on any local address (IPv4 and IPv6): a server can bind it."""
     for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            # as servers do: connections in TIME_WAIT after a server stopped do not hold the port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as exc:
