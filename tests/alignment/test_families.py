@@ -147,6 +147,7 @@ def serving_stack(ray_align, tmp_path_factory):
     from raypai.tracking import Tracker
 
     home = tmp_path_factory.mktemp("serve-home")
+    before = os.environ.get("RAYPAI_SERVE_PORT")  # other modules set theirs at import: restore it afterwards
     os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
     settings = Settings.load({"RAYPAI_HOME": str(home)})
     store = MetadataStore(settings.database_url)
@@ -162,7 +163,10 @@ def serving_stack(ray_align, tmp_path_factory):
            "openai": f"http://127.0.0.1:{os.environ['RAYPAI_SERVE_PORT']}/v1"}
     server.should_exit = True
     serve.shutdown()
-    os.environ.pop("RAYPAI_SERVE_PORT", None)
+    if before is None:
+        os.environ.pop("RAYPAI_SERVE_PORT", None)
+    else:
+        os.environ["RAYPAI_SERVE_PORT"] = before
 
 
 def test_each_family_deploys_and_answers_the_openai_api_stopping_at_its_end_token(family, serving_stack):

@@ -20,7 +20,6 @@ def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(rayp
     from ray import serve
 
     from raypai.lineage_deploy import deployment_lineage
-    from raypai.serving.control import serve_port
 
     inputs = example_inputs(tmp_path / "user")
     # the gate is off here so the endpoint is always there to query; register still records the decision
@@ -35,7 +34,8 @@ def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(rayp
         assert result.result["deployed"], result.result
         store = MetadataStore(raypai_home.database_url)
         token = store.create_token("ft", ["infer"])
-        r = httpx.post(f"http://127.0.0.1:{serve_port()}/v1/chat/completions", timeout=120,
+        endpoint = result.result["endpoint"]  # where the deploy step says the model is served
+        r = httpx.post(f"{endpoint.rstrip('/')}/chat/completions", timeout=120,
                        headers={"Authorization": f"Bearer {token}"},
                        json={"model": "finetune", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4})
         assert r.status_code == 200, r.text
