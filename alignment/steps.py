@@ -53,6 +53,20 @@ def _lineage(**arts) -> dict:
     return {k: a.id for k, a in arts.items() if a is not None}
 
 
+class _StepLogger:
+    """The step's MLflow logger that also moves the run display's summary line (`ctx.progress`)
+    whenever the driver loop logs a step's metrics."""
+
+    def __init__(self, ctx: StepContext, total: int):
+        self.logger, self.report, self.total = ctx.logger, ctx.progress_reporter(), total
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        if self.logger is not None:
+            self.logger.log_metrics(metrics, step=step)
+        if step is not None:
+            self.report(step, self.total, "steps")
+
+
 def _work_dir(ctx: StepContext, algo: str, *parts) -> str:
     """A resume folder keyed by the inputs and config, so a retried step continues its own run."""
     key = hashlib.sha256(canonical([algo, *parts]).encode()).hexdigest()[:16]
@@ -116,7 +130,7 @@ def sft(ctx: StepContext, base_model: Artifact, data: Artifact, eval_data: Artif
         _, blocks = load_blocks(ptx_shards.local_path(), "train")
     out = ctx.output_dir("sft")
     m = run_sft(str(base_model.local_path()), str(out), train, held, cfg, run_name=f"sft-{ctx.step_run_id[:8]}",
-                logger=ctx.logger, lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
+                logger=_StepLogger(ctx, cfg.steps), lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
                 ptx_blocks=blocks)
     return _save_model(ctx, out, "sft_model", m, {"base_model": base_model, "data": data, "eval_data": eval_data,
                                                    "ptx_shards": ptx_shards})
@@ -132,7 +146,7 @@ def reward_model(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_dat
     train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
     out = ctx.output_dir("rm")
     m = train_reward_model(str(sft_model.local_path()), str(out), train, held, cfg,
-                           run_name=f"rm-{ctx.step_run_id[:8]}", logger=ctx.logger)
+                           run_name=f"rm-{ctx.step_run_id[:8]}", logger=_StepLogger(ctx, cfg.steps))
     return _save_model(ctx, out, "reward_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
 
 
@@ -146,7 +160,7 @@ def dpo(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_data: Artifa
     train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
     out = ctx.output_dir("dpo")
     m = run_dpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"dpo-{ctx.step_run_id[:8]}",
-                logger=ctx.logger, lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data))
+                logger=_StepLogger(ctx, cfg.steps), lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
 
 
@@ -163,7 +177,7 @@ def online_dpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, eval_pa
     pairs = D.load(eval_pairs, "preference", name=f"dataset {eval_pairs.name}")
     out = ctx.output_dir("odpo")
     m = run_dpo(str(sft_model.local_path()), str(out), [], pairs, cfg, prompts=train, held_out=held,
-                rewards=list(rewards or []), run_name=f"odpo-{ctx.step_run_id[:8]}", logger=ctx.logger,
+                rewards=list(rewards or []), run_name=f"odpo-{ctx.step_run_id[:8]}", logger=_StepLogger(ctx, cfg.steps),
                 lineage=_lineage(sft_model=sft_model, prompts=prompts, eval_pairs=eval_pairs))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "prompts": prompts,
                                                        "eval_pairs": eval_pairs, "eval_prompts": eval_prompts})
@@ -183,7 +197,7 @@ def grpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list
     m = run_grpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"grpo-{ctx.step_run_id[:8]}",
                  rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
                  checkpoint_dir=_work_dir(ctx, "grpo", sft_model.digest, reward_model.digest if reward_model else "",
-                                          prompts.digest, cfg, rewards), logger=ctx.logger,
+                                          prompts.digest, cfg, rewards), logger=_StepLogger(ctx, cfg.steps),
                  lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
                                                        "prompts": prompts, "eval_prompts": eval_prompts})
@@ -204,7 +218,7 @@ def ppo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[
     m = run_ppo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"ppo-{ctx.step_run_id[:8]}",
                 rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
                 checkpoint_dir=_work_dir(ctx, "ppo", sft_model.digest, reward_model.digest if reward_model else "",
-                                         prompts.digest, cfg, rewards), logger=ctx.logger,
+                                         prompts.digest, cfg, rewards), logger=_StepLogger(ctx, cfg.steps),
                 lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
                                                        "prompts": prompts, "eval_prompts": eval_prompts})
