@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypai.artifacts import digest_dir
 from raypai.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
 from raypai.errors import ConfigError, DataError
+from raypai.train.data import write_shard
 
 # raypai's own chat format lives in raypai.chat (one home for special tokens and the template)
 
@@ -99,9 +99,7 @@ def tokenize(dataset_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | 
         for s in range(0, len(ids), shard_blocks):
             chunk = ids[s:s + shard_blocks]
             name = f"{prefix}-{s // shard_blocks:05d}.parquet"
-            arr = pa.FixedSizeListArray.from_arrays(pa.array(blocks[chunk].reshape(-1)), block_size)
-            pq.write_table(pa.table({"block_id": pa.array(chunk, pa.int64()),
-                                     "input_ids": arr.cast(pa.list_(pa.int32()))}), out / name)
+            write_shard(out / name, chunk, blocks[chunk])  # row groups sized for block-level reads
             files.append({"file": name, "split": "train" if prefix == "shard" else "eval", "blocks": len(chunk)})
     tok_digest, _ = digest_dir(tokenizer_dir)
     unigram = np.bincount(blocks[train_ids].reshape(-1), minlength=len(tok)).astype(np.float64)

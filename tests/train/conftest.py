@@ -1,7 +1,10 @@
-"""Fixtures for raypai.train: generated token shards, a matching tokenizer, a file-backed logger."""
+"""Fixtures for raypai.train: generated token shards, a matching tokenizer, a file-backed logger,
+an S3 server, and a Ray whose object store is deliberately small."""
 
 import json
 import os
+import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,19 @@ def make_tokenizer(folder: Path, vocab: int = 64) -> Path:
     return folder
 
 
+def peak_rss_growth(fn):
+    """(fn(), how far this process's peak resident memory rose above its RSS at the call) in bytes.
+    Linux: writing 5 to /proc/self/clear_refs restarts the peak (VmHWM) at the current RSS."""
+    def status(key):
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+        return int(line.split()[1]) * 1024
+
+    Path("/proc/self/clear_refs").write_text("5")
+    start = status("VmRSS")
+    result = fn()
+    return result, status("VmHWM") - start
+
+
 class FileLogger:
     """A picklable metrics sink (the RunLogger interface) that appends JSON lines to a file."""
 
@@ -50,12 +66,57 @@ class FileLogger:
         return [json.loads(line) for line in open(self.path)]
 
 
+# Ray's smallest allowed object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES): the
+# pretraining tests train on token sets several times larger, which only streaming can do.
+OBJECT_STORE_BYTES = 75 * 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def ray_train():
-    # 2 Train workers × 1 CPU + the step/driver: logical CPUs, the machine has 2 cores.
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def s3():
+    """(endpoint, bucket): moto's S3 server on a free loopback port with a fresh bucket, and the
+    AWS variables pointing at it in this process. Start it before Ray: local Ray workers inherit
+    the environment of the process that started Ray, as cluster nodes carry their credentials."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "raypai", "AWS_SECRET_ACCESS_KEY": "secret",
+                     "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(k, v)
+        bucket = f"raypai-train-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield endpoint, bucket
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_train(s3):
+    # 2 Train workers × 1 CPU + the step/driver: logical CPUs, the machine has 2 cores. The object
+    # store is Ray's minimum, smaller than the token sets trained on.
+    # The GCS port is chosen here and RAY_ADDRESS names it for every process of this Ray: Ray
+    # Train's PlacementGroupCleaner asks the state API whether the controller lives, and without
+    # RAY_ADDRESS it finds "the" cluster by auto-detection, which on a machine running other Ray
+    # clusters can be another one, where our controller is unknown, so it removes our workers'
+    # placement group mid-run.
+    port = _free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_GCS_SERVER_PORT", str(port))
+        mp.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        ray.init(address="local", num_cpus=6, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+                 log_to_driver=False)
+        assert ray.get_runtime_context().gcs_address.endswith(f":{port}")
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

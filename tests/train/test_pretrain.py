@@ -2,16 +2,23 @@
 
 One uninterrupted 40-step run per ZeRO stage (module fixture) is the reference the other tests
 compare against: learning, export, equal loss curves, and the exact data order after failures.
+They train on a token set over 4 × the size of Ray's object store (`ray_train` starts Ray with
+the smallest one allowed): the workers stream their blocks from the shard files.
 """
 
 import json
 
+import boto3
 import pytest
 
 from raypai.errors import ConfigError, TrainError
 from raypai.train import ModelConfig, PretrainConfig, latest_checkpoint, plan, pretrain
+from raypai.train._faults import ENV as FAULTS_ENV
+from raypai.train._faults import Faults
+from raypai.train.checkpoint import checkpoint_from_path
+from raypai.train.synthetic import write_token_shards
 
-from .conftest import FileLogger, make_shards, make_tokenizer
+from .conftest import OBJECT_STORE_BYTES, FileLogger, make_shards, make_tokenizer, peak_rss_growth
 
 TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=64)  # 78k params: small enough for the test-time budget
 STEPS, EVERY = 40, 8
@@ -36,22 +43,34 @@ def _trace(folder) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_train, shards, tokenizer_dir, tmp_path_factory):
-    folder, _ = shards
+def big_shards(tmp_path_factory):
+    """Token shards of 4 × the object store's bytes in int32 train tokens (2.46M blocks of 32,
+    300 MiB; 48 MiB of Parquet on disk), plus 64 eval blocks."""
+    folder = tmp_path_factory.mktemp("big_shards")
+    train_blocks = -(-4 * OBJECT_STORE_BYTES // (32 * 4))
+    manifest = write_token_shards(folder, blocks=train_blocks + 64, eval_fraction=64.5 / (train_blocks + 64))
+    assert manifest["num_tokens"] * 4 >= 4 * OBJECT_STORE_BYTES and manifest["num_eval_blocks"] == 64
+    return folder, manifest
+
+
+@pytest.fixture(scope="module")
+def reference(ray_train, big_shards, tokenizer_dir, tmp_path_factory):
+    folder, _ = big_shards
     out = {}
-    for stage in (0, 1, 2):
-        tmp = tmp_path_factory.mktemp(f"zero{stage}")
-        (tmp / "trace").mkdir()
-        log = FileLogger(tmp / "metrics.jsonl")
-        res = pretrain(folder, tokenizer_dir, tmp / "model",
-                       _cfg(zero_stage=stage, trace_dir=str(tmp / "trace")), name=f"zero{stage}",
-                       storage_path=tmp / "store", logger=log)
-        out[stage] = {"result": res, "rows": log.read(), "trace": _trace(tmp / "trace"), "model": tmp / "model"}
+    with pytest.MonkeyPatch.context() as mp:
+        for stage in (0, 1, 2):
+            tmp = tmp_path_factory.mktemp(f"zero{stage}")
+            (tmp / "trace").mkdir()
+            mp.setenv(FAULTS_ENV, Faults(trace_dir=str(tmp / "trace")).to_env())  # record the blocks read
+            log = FileLogger(tmp / "metrics.jsonl")
+            res = pretrain(folder, tokenizer_dir, tmp / "model", _cfg(zero_stage=stage), name=f"zero{stage}",
+                           storage_path=tmp / "store", logger=log)
+            out[stage] = {"result": res, "rows": log.read(), "trace": _trace(tmp / "trace"), "model": tmp / "model"}
     return out
 
 
-def test_two_worker_zero2_learns_below_unigram_entropy_and_exports_for_transformers(reference, shards):
-    _, manifest = shards
+def test_two_worker_zero2_learns_below_unigram_entropy_and_exports_for_transformers(reference, big_shards):
+    _, manifest = big_shards
     ref = reference[2]
     metrics, rows = ref["result"]["metrics"], ref["rows"]
     entropy = manifest["unigram_entropy_nats"]  # ≈ 4.1 nats: what a model without context can reach
@@ -87,25 +106,48 @@ def test_zero_stages_0_1_2_give_the_same_loss_curve(reference):
         assert reference[stage]["trace"]["blocks"] == reference[2]["trace"]["blocks"]
 
 
-def test_killed_workers_and_a_restarted_driver_resume_at_the_last_checkpoint_with_the_same_data(
-        reference, shards, tokenizer_dir, tmp_path):
-    """Drill: the first driver allows no restart and dies with its worker at step 19 (checkpoint
-    16 registered); a second driver with the same run name resumes at 16, its worker dies again
-    at step 35 and Ray Train restarts the worker group from checkpoint 32 (that process's second
-    asynchronous snapshot, so written from reused snapshot buffers). Every step must read
-    the uninterrupted run's blocks, repeat at most one checkpoint interval, and end on its loss."""
-    folder, _ = shards
+def _keys(bucket: str, prefix: str) -> set[str]:
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"] for page in pages for o in page.get("Contents", [])}
+
+
+def test_killed_workers_and_a_restarted_driver_resume_from_s3_checkpoints_with_the_same_data(
+        reference, big_shards, tokenizer_dir, s3, tmp_path, monkeypatch):
+    """Drill, with checkpoints on the S3 server: the first driver allows no restart and dies with
+    its worker at step 19 (checkpoint 16 uploaded and registered); a second driver with the same run
+    name resumes at 16 from S3, its worker dies again at step 35 and Ray Train restarts the worker
+    group from checkpoint 32 (that process's second asynchronous snapshot, so written from reused
+    snapshot buffers). Every step must read the uninterrupted run's blocks, repeat at most one
+    checkpoint interval, and end on its loss. The token set is 4 × the object store: the driver
+    and each worker's loop grow by less than the object store's size."""
+    folder, manifest = big_shards
+    _, bucket = s3
+    store = f"s3://{bucket}/runs"
     trace = tmp_path / "trace"
     trace.mkdir()
-    store = tmp_path / "store"
-    first = _cfg(trace_dir=str(trace), max_failures=0, kill_worker_at_step=19, async_checkpoint=False)
-    with pytest.raises(TrainError, match="calling pretrain again with name='drill' resumes"):
+    monkeypatch.chdir(tmp_path)  # a URI taken for a local path would land in ./s3:/...
+    monkeypatch.setenv(FAULTS_ENV, Faults(trace_dir=str(trace), kill_worker_at_step=19).to_env())
+    first = _cfg(max_failures=0, async_checkpoint=False)
+    with pytest.raises(TrainError, match=f"stay in {store}/drill, and calling pretrain again with name='drill' resumes"):
         pretrain(folder, tokenizer_dir, tmp_path / "model", first, name="drill", storage_path=store)
-    assert json.loads((latest_checkpoint(store, "drill") / "data_position.json").read_text()) == {"next_step": 16}
+    assert latest_checkpoint(store, "drill") == f"{store}/drill/checkpoint_000016"
+    keys = _keys(bucket, "runs/drill/checkpoint_000016/")
+    assert {"runs/drill/checkpoint_000016/data_position.json", "runs/drill/checkpoint_000016/rng-rank1.pt"} <= keys
+    assert any(k.startswith("runs/drill/checkpoint_000016/state/") for k in keys)  # DeepSpeed's files
+    body = boto3.client("s3").get_object(Bucket=bucket, Key="runs/drill/checkpoint_000016/data_position.json")
+    assert json.loads(body["Body"].read()) == {"next_step": 16}
+    checkpoint_from_path(f"{store}/drill/checkpoint_000016")  # usable as resume_from
+    with pytest.raises(TrainError, match="no raypai checkpoint there"):
+        checkpoint_from_path(f"{store}/drill")
 
-    second = _cfg(trace_dir=str(trace), max_failures=1, kill_worker_at_step=35)  # async checkpoints
-    res = pretrain(folder, tokenizer_dir, tmp_path / "model", second, name="drill", storage_path=store)
+    monkeypatch.setenv(FAULTS_ENV, Faults(trace_dir=str(trace), kill_worker_at_step=35).to_env())
+    second = _cfg(max_failures=1)  # async checkpoints
+    res, driver_growth = peak_rss_growth(
+        lambda: pretrain(folder, tokenizer_dir, tmp_path / "model", second, name="drill", storage_path=store))
     assert sorted(p.name for p in trace.glob("killed-at-*")) == ["killed-at-19", "killed-at-35"]  # both died
+    assert res["checkpoint_path"] == f"{store}/drill/checkpoint_000040"
+    assert "runs/drill/checkpoint_000040/hf/model.safetensors" in _keys(bucket, "runs/drill/checkpoint_000040/")
+    assert not (tmp_path / "s3:").exists()
 
     ref, got = reference[2], _trace(trace)
     assert got["blocks"] == ref["trace"]["blocks"]  # every (rank, step, micro) read the uninterrupted run's blocks
@@ -118,6 +160,16 @@ def test_killed_workers_and_a_restarted_driver_resume_at_the_last_checkpoint_wit
     # model, optimizer, scheduler (lr) and RNG restored: the run ends where the uninterrupted one did
     assert res["metrics"]["loss"] == pytest.approx(ref["result"]["metrics"]["loss"], rel=1e-4)
     assert res["metrics"]["eval_loss"] == pytest.approx(ref["result"]["metrics"]["eval_loss"], rel=1e-4)
+
+    # bounded memory: neither the driver nor a worker's loop grew by as much as the object store
+    # holds, a quarter of the token set (loading the blocks on the driver, as before, added 1.9 GB)
+    token_bytes = manifest["num_tokens"] * 4
+    workers = [json.loads((trace / f"memory-rank{r}.json").read_text()) for r in (0, 1)]
+    print(f"token set {token_bytes / 2**20:.0f} MiB; driver peak +{driver_growth / 2**20:.0f} MiB; worker peaks "
+          f"+{[round((w['peak_rss'] - w['rss_at_start']) / 2**20) for w in workers]} MiB over their loops")
+    assert driver_growth < OBJECT_STORE_BYTES <= token_bytes / 4
+    for w in workers:
+        assert 0 < w["peak_rss"] - w["rss_at_start"] < OBJECT_STORE_BYTES, w
 
 
 def test_bad_inputs_fail_before_training_with_the_fix(shards, tokenizer_dir, tmp_path):

@@ -1,7 +1,9 @@
-"""Pure pieces of raypai.train against hand-derived values: schedule, FLOPs, memory, order, config."""
+"""Pure pieces of raypai.train against hand-derived values: schedule, FLOPs, memory, order, config,
+and the shard reader workers stream their blocks through."""
 
 import json
 import math
+import pickle
 
 import numpy as np
 import pyarrow as pa
@@ -10,10 +12,14 @@ import pytest
 
 from raypai.errors import ConfigError, TrainError
 from raypai.train import ModelConfig, PretrainConfig, flops_per_token
-from raypai.train.data import BlockOrder, load_blocks, read_manifest
+from raypai.train import plan
+from raypai.train._faults import ENV as FAULTS_ENV
+from raypai.train._faults import Faults
+from raypai.train.data import ROW_GROUP_TOKENS, BlockOrder, Prefetcher, TokenShards, load_blocks, read_manifest
 from raypai.train.metrics import StragglerDetector, mfu
 from raypai.train.schedule import lr_multiplier
-from raypai.train.strategy import activation_bytes, choose, estimate, model_state_bytes
+from raypai.train.strategy import GB, ModelShape, activation_bytes, choose, estimate, model_state_bytes
+from raypai.train.synthetic import write_token_shards
 
 from .conftest import make_shards
 
@@ -136,6 +142,70 @@ def test_config_file_round_trip(tmp_path):
     assert len(err.value.problems) == 2
 
 
+@pytest.fixture(scope="module")
+def three_shards(tmp_path_factory):
+    """3000 blocks of 32 tokens written 1000 per chunk: eval-00000 (ids 0-374), shard-00000 (375-999),
+    shard-00001, shard-00002; 16Ki-token row groups hold 512 blocks, so 2 groups in each train file.
+    Returns (folder, every train block read independently with pyarrow: ids (2625,), tokens (2625, 32))."""
+    folder = tmp_path_factory.mktemp("three")
+    write_token_shards(folder, blocks=3000, shard_blocks=1000)
+    tables = [pq.read_table(folder / f"shard-0000{i}.parquet") for i in range(3)]
+    ids = np.concatenate([t.column("block_id").to_numpy() for t in tables])
+    toks = np.array([row for t in tables for row in t.column("input_ids").to_pylist()], dtype=np.int32)
+    return folder, ids, toks
+
+
+def test_token_shards_read_only_the_row_groups_holding_the_blocks(three_shards):
+    folder, ids, toks = three_shards
+    meta = pq.read_metadata(folder / "shard-00001.parquet")
+    assert meta.num_row_groups == 2 and meta.row_group(0).num_rows == ROW_GROUP_TOKENS // 32 == 512
+    shards = TokenShards(folder, "train", cache_groups=2)
+    assert len(shards) == 2625 and ids.tolist() == list(range(375, 3000))
+    idx = np.array([2624, 0, 624, 625, 1137, 5, 2000, 624])  # file ends and starts, row-group edges, repeats
+    got_ids, got = shards.take(idx)
+    assert got_ids.tolist() == ids[idx].tolist() and np.array_equal(got, toks[idx]) and got.dtype == np.int32
+    assert len(shards._cache) == 2  # at most cache_groups decoded row groups are held
+    every = shards.take(np.arange(len(shards)))
+    assert np.array_equal(every[1], toks) and np.array_equal(every[0], ids)
+    clone = pickle.loads(pickle.dumps(shards))  # what a Train worker receives: the location, no blocks
+    assert len(pickle.dumps(shards)) < 1000 and np.array_equal(clone.take(idx)[1], toks[idx])
+    eval_ids, _ = TokenShards(folder, "eval").take(np.array([0, 374]))
+    assert eval_ids.tolist() == [0, 374]
+    with pytest.raises(IndexError):
+        shards.take(np.array([2625]))
+
+
+def test_prefetcher_gives_each_micro_batch_of_the_block_order_also_after_a_jump(three_shards):
+    folder, ids, toks = three_shards
+    shards = TokenShards(folder, "train")
+    order = BlockOrder(len(shards), seed=3)
+    blocks = Prefetcher(shards, order, rank=1, world=2, micro_batch=4, accum=2)
+    try:
+        # in order (the read-ahead is used), then a jump as after a resume, then back
+        for step, micro in [(0, 0), (0, 1), (1, 0), (1, 1), (7, 1), (8, 0), (2, 0)]:
+            idx = order.indices(step, micro, 1, 2, 4, 2)
+            got_ids, got = blocks.get(step, micro)
+            assert got_ids.tolist() == ids[idx].tolist() and np.array_equal(got, toks[idx]), (step, micro)
+    finally:
+        blocks.close()
+
+
+def test_token_shards_stream_from_s3(three_shards, s3):
+    """A cluster without a shared filesystem reads the shards from the object store: the same
+    blocks through row-group range reads."""
+    import pyarrow.fs as pafs
+
+    folder, ids, toks = three_shards
+    _, bucket = s3
+    fs, root = pafs.FileSystem.from_uri(f"s3://{bucket}/shards")
+    pafs.copy_files(str(folder), root, destination_filesystem=fs)
+    uri = f"s3://{bucket}/shards"
+    assert read_manifest(uri)["_train_blocks"] == 2625
+    idx = np.array([3, 2600, 1000])
+    got_ids, got = TokenShards(uri, "train").take(idx)
+    assert got_ids.tolist() == ids[idx].tolist() and np.array_equal(got, toks[idx])
+
+
 def test_shard_reading_errors(tmp_path):
     with pytest.raises(TrainError, match="not a token-shards artifact"):
         read_manifest(tmp_path)
@@ -153,6 +223,60 @@ def test_shard_reading_errors(tmp_path):
                    empty / "shard-00000.parquet")
     with pytest.raises(TrainError, match="no train blocks"):
         read_manifest(empty)
+    ragged = tmp_path / "ragged"
+    make_shards(ragged, blocks=16)
+    pq.write_table(pa.table({"block_id": [2, 3], "input_ids": pa.array([[1] * 32, [1] * 31], pa.list_(pa.int32()))}),
+                   ragged / "shard-00000.parquet")
+    read_manifest(ragged)  # footers look fine; the blocks are checked where they are decoded
+    with pytest.raises(TrainError, match="shard-00000.parquet: input_ids rows are not all 32 tokens long"):
+        TokenShards(ragged, "train").take(np.array([0]))
+    pq.write_table(pa.table({"block_id": [2]}), ragged / "shard-00000.parquet")
+    with pytest.raises(TrainError, match="shard-00000.parquet has no input_ids column"):
+        read_manifest(ragged)
+
+
+def test_fault_hooks_are_private_not_config_options(monkeypatch):
+    """The drills' hooks are set through RAYPAI_TRAIN_FAULTS (raypai.train._faults), never through
+    the user-facing config."""
+    for hook, value in (("kill_worker_at_step", 3), ("trace_dir", "/tmp/t")):
+        assert hook not in PretrainConfig.__dataclass_fields__
+        with pytest.raises(ConfigError, match=f"unknown pretrain option '{hook}'"):
+            PretrainConfig.from_dict({hook: value})
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    assert Faults.from_env() == Faults()
+    monkeypatch.setenv(FAULTS_ENV, Faults(trace_dir="/tmp/t", kill_worker_at_step=3).to_env())
+    assert Faults.from_env() == Faults(trace_dir="/tmp/t", kill_worker_at_step=3)
+    monkeypatch.setenv(FAULTS_ENV, '{"kill_worker_at_step": 3}')
+    with pytest.raises(ValueError, match="kill_worker_at_step needs trace_dir"):
+        Faults.from_env()
+    monkeypatch.setenv(FAULTS_ENV, '{"kill_at": 3}')
+    with pytest.raises(ValueError, match="unknown keys \\['kill_at'\\]"):
+        Faults.from_env()
+
+
+def test_auto_strategy_sizes_an_init_from_model_by_its_own_config(tmp_path):
+    """`model.init_from` names a folder whose config.json says 4 layers × hidden 256 with 8 heads,
+    while `cfg.model` keeps its defaults (2 × 128, 4 heads). With a budget between the two shapes'
+    estimates at ZeRO-0 and micro-batch 8, only the folder's shape shows that this does not fit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    make_shards(tmp_path / "shards", blocks=16)
+    hf = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+    model = LlamaForCausalLM(hf)
+    model.save_pretrained(tmp_path / "model")
+    n = sum(p.numel() for p in model.parameters())
+    cfg = PretrainConfig(model=ModelConfig(init_from=str(tmp_path / "model")), strategy="auto", micro_batch=8)
+    folder, default = ModelShape(4, 256, 8, 64), ModelShape(2, 128, 4, 64)
+    by_default, by_folder = estimate(n, cfg, 32, 0, 8, default), estimate(n, cfg, 32, 0, 8, folder)
+    assert by_default.total_gb < by_folder.total_gb
+    budget = replace_budget(cfg, (by_default.total_gb + by_folder.total_gb) / 2)
+    chosen, info = plan(tmp_path / "shards", budget)
+    expected, _ = choose(n, budget, 32, folder)
+    assert (chosen.zero_stage, chosen.micro_batch) == (expected.zero_stage, expected.micro_batch) != (0, 8)
+    assert info["memory"]["activations_gb"] == pytest.approx(activation_bytes(
+        layers=4, hidden=256, heads=8, vocab=64, seq_len=32, micro_batch=chosen.micro_batch,
+        mixed_precision=False) / GB)
 
 
 def test_snapshot_buffers_copy_values_into_reused_memory():

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from raypai.errors import TrainError
+from raypai.train import _fs
 
 DATA_POSITION = "data_position.json"
 TAG = "state"
@@ -258,28 +260,39 @@ def restore(engine, checkpoint, rank: int) -> int:
 
 
 def checkpoint_from_path(path: str | Path):
-    """A `ray.train.Checkpoint` for an earlier run's checkpoint folder (`PretrainConfig.resume_from`)."""
+    """A `ray.train.Checkpoint` for an earlier run's checkpoint folder (`PretrainConfig.resume_from`),
+    local or remote (`s3://bucket/prefix/run/checkpoint_000016`)."""
     import ray.train
 
-    if not (Path(path) / DATA_POSITION).exists():
+    fs, root = _fs.resolve(path)
+    if fs.get_file_info(f"{root}/{DATA_POSITION}").type != pafs.FileType.File:
         raise TrainError(f"resume_from={path}: no raypai checkpoint there (no {DATA_POSITION}); pass a "
                          "checkpoint_* folder of an earlier run (see `latest_checkpoint`), or leave resume_from empty")
-    return ray.train.Checkpoint.from_directory(str(path))
+    return ray.train.Checkpoint(root, filesystem=fs)
 
 
-def latest_checkpoint(storage_path: str | Path, name: str) -> Path | None:
-    """The newest complete checkpoint folder of run `name` under `storage_path`, or None."""
-    run_dir = Path(storage_path) / name
-    found = [(json.loads((p / DATA_POSITION).read_text())["next_step"], p)
-             for p in run_dir.glob("checkpoint_*") if (p / DATA_POSITION).exists()]
-    return max(found)[1] if found else None
+def latest_checkpoint(storage_path: str | Path, name: str) -> Path | str | None:
+    """The newest complete checkpoint folder of run `name` under `storage_path` (a Path for local
+    storage, a URI for remote storage), or None."""
+    fs, root = _fs.resolve(storage_path)
+    entries = fs.get_file_info(pafs.FileSelector(f"{root}/{name}", allow_not_found=True))
+    found = []
+    for entry in entries:
+        if entry.type == pafs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
+            position = _fs.read_json(fs, f"{entry.path}/{DATA_POSITION}")
+            if position is not None:
+                found.append((position["next_step"], entry.base_name))
+    if not found:
+        return None
+    folder = max(found)[1]
+    return _fs.join(storage_path, name, folder) if _fs.is_remote(storage_path) else Path(root) / name / folder
 
 
-def is_registered(run_dir: str | Path, next_step: int) -> bool:
+def is_registered(fs, run_dir: str, next_step: int) -> bool:
     """Whether Ray Train's controller has recorded the checkpoint resuming at `next_step` (it is
-    then what a restart loads). Reads the controller's snapshot file in the run folder."""
-    snap = Path(run_dir) / "checkpoint_manager_snapshot.json"
+    then what a restart loads). Reads the controller's snapshot file in the run folder (`run_dir`
+    inside the storage filesystem `fs`)."""
     try:
-        return dir_name(next_step) in snap.read_text()
+        return dir_name(next_step) in (_fs.read_text(fs, f"{run_dir}/checkpoint_manager_snapshot.json") or "")
     except OSError:
         return False

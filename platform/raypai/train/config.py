@@ -66,8 +66,6 @@ class PretrainConfig:
     peak_flops_per_worker: float = 0.0  # 0: measured at start with a matmul probe
     straggler_ratio: float = 1.5
     deepspeed_config: dict = field(default_factory=dict)  # merged over the generated one
-    trace_dir: str = ""  # tests: write each worker's consumed block ids per step here
-    kill_worker_at_step: int = -1  # fault injection (tests, drills): the last worker exits once at this step
     resume_from: str = ""  # a checkpoint folder of an earlier run to continue from
 
     @property

@@ -2,19 +2,17 @@
 
 Each worker: build the model from the config (same seed → same initial weights everywhere),
 wrap it in DeepSpeed (ZeRO stage from the plan), resume from the latest checkpoint if Ray Train
-hands one over, then for each optimizer step read its blocks from `BlockOrder`, accumulate
+hands one over, then for each optimizer step read its blocks from the shard files in `BlockOrder`'s order
+(`Prefetcher`: the next micro-batch is decoded while this one trains), accumulate
 gradients over `grad_accum` micro-batches, step, and on rank 0 log metrics. Checkpoints are
 reported every `checkpoint_every` steps; the last report carries the Hugging Face export.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -39,34 +37,14 @@ def ds_config(cfg) -> dict:
     return conf
 
 
-def _fault_drill(cfg, step: int, rank: int, world: int, run_dir: str) -> None:
-    """Fault injection for tests and drills: the last worker's process dies once at this step,
-    after the latest checkpoint is registered (an async upload still in flight when the process
-    dies is legitimately lost, which would make the drill's outcome depend on machine load)."""
-    if step != cfg.kill_worker_at_step or rank != world - 1 or not cfg.trace_dir:
-        return
-    marker = Path(cfg.trace_dir) / f"killed-at-{step}"
-    if marker.exists():
-        return
-    from raypai.train.checkpoint import is_registered
-
-    boundary = step - step % cfg.checkpoint_every
-    deadline = time.monotonic() + 120
-    while boundary and not is_registered(run_dir, boundary) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    marker.write_text(str(step))
-    os._exit(1)
-
-
 def train_loop(loop_cfg: dict) -> None:
     import deepspeed
-    import ray
     import ray.train
     import torch
 
     from raypai.train import checkpoint
     from raypai.train.config import PretrainConfig
-    from raypai.train.data import BlockOrder
+    from raypai.train.data import BlockOrder, Prefetcher, TokenShards
     from raypai.train.metrics import StragglerDetector, mfu
     from raypai.train.model import build_model, measure_peak_flops
     from raypai.train.schedule import lr_multiplier
@@ -82,16 +60,19 @@ def train_loop(loop_cfg: dict) -> None:
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
 
-    # Zero-copy views of the blocks the driver put in the node's shared-memory object store.
-    (train_ids, train_tokens), eval_tokens = ray.get(loop_cfg["train_ref"]), ray.get(loop_cfg["eval_ref"])
-    seq_len = train_tokens.shape[1]
+    faults = loop_cfg["faults"]  # private test hooks (raypai.train._faults); inert unless a test set them
+    fs, run_dir = loop_cfg["storage"]
+    # Blocks are read from the shard files on demand: only row groups this worker needs are decoded.
+    train = TokenShards(loop_cfg["shards"], "train")
+    eval_tokens = _eval_blocks(TokenShards(loop_cfg["shards"], "eval"), cfg, rank, world)
+    seq_len = train.block_size
     model = build_model(cfg.model, plan["vocab_size"], pad_id=plan["pad_id"], eos_id=plan["eos_id"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config(cfg), dist_init_required=False)
-    order = BlockOrder(len(train_tokens), cfg.seed)
+    order = BlockOrder(len(train), cfg.seed)
 
     start_step = 0
     if (ckpt := ray.train.get_checkpoint()) is not None:
@@ -101,24 +82,24 @@ def train_loop(loop_cfg: dict) -> None:
 
     peak = cfg.peak_flops_per_worker or measure_peak_flops()
     fpt = plan["flops_per_token"]
-    trace = Path(cfg.trace_dir) / f"rank{rank}.jsonl" if cfg.trace_dir else None
     stragglers = StragglerDetector(world, ratio=cfg.straggler_ratio)
     tokens_per_step = cfg.micro_batch * cfg.grad_accum * seq_len * world
     window_losses, window_time, stall_total, stalls = [], 0.0, 0.0, []
     steady_times, warm = [], start_step + min(3, max(0, cfg.steps - start_step - 1))  # seconds per step
     metrics: dict = {}
     saver = checkpoint.AsyncCheckpointer(engine, rank) if cfg.async_checkpoint else None
+    blocks = Prefetcher(train, order, rank=rank, world=world, micro_batch=cfg.micro_batch, accum=cfg.grad_accum)
+    rss_at_start = faults.reset_memory_peak()
 
     loop_start = time.perf_counter()  # for the progress line's percentage and time left
     for step in range(start_step, cfg.steps):
-        _fault_drill(cfg, step, rank, world, loop_cfg.get("run_dir", ""))
+        boundary = step - step % cfg.checkpoint_every  # the checkpoint a restart at this step resumes from
+        faults.maybe_kill(step, rank, world, lambda: not boundary or checkpoint.is_registered(fs, run_dir, boundary))
         t0 = time.perf_counter()
         for micro in range(cfg.grad_accum):
-            idx = order.indices(step, micro, rank, world, cfg.micro_batch, cfg.grad_accum)
-            if trace is not None:
-                with open(trace, "a") as f:
-                    f.write(json.dumps({"step": step, "micro": micro, "blocks": train_ids[idx].tolist()}) + "\n")
-            x = torch.from_numpy(train_tokens[idx]).long()  # (micro_batch, seq_len)
+            block_ids, tokens = blocks.get(step, micro)
+            faults.record_blocks(rank, step, micro, block_ids)
+            x = torch.from_numpy(tokens).long()  # (micro_batch, seq_len)
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
@@ -158,6 +139,7 @@ def train_loop(loop_cfg: dict) -> None:
             if logger is not None:
                 logger.log_metrics({"checkpoint_stall_s": stall}, step=done)
 
+    blocks.close()
     if saver is not None:
         stall_total += saver.flush()
     # stall: every second the loop waited on checkpointing (snapshots, polls, reports, final flush)
@@ -170,6 +152,7 @@ def train_loop(loop_cfg: dict) -> None:
     if saver is not None:  # where the asynchronous stall went: waiting on a write, snapshot copies, polls, reports
         final.update({f"checkpoint_stall_{part}_s": v for part, v in saver.stall.items()})
         final["checkpoint_snapshot_buffer_mb"] = saver.buffers.nbytes / 2**20
+    faults.record_memory(rank, rss_at_start)
     checkpoint.save(engine, final, next_step=cfg.steps, rank=rank, final=True)
 
 
@@ -203,17 +186,22 @@ def _window_metrics(engine, losses: list[float], step_time: float, world: int, s
     return out
 
 
-def _evaluate(engine, eval_tokens, cfg, rank: int, world: int) -> dict:
-    """Mean next-token loss on the held-out blocks (each worker takes every world-th block)."""
+def _eval_blocks(shards, cfg, rank: int, world: int) -> np.ndarray:
+    """This worker's held-out blocks (B, T), read once: every world-th block, eval_blocks in all."""
+    mine = np.arange(rank, len(shards), world)[: max(1, cfg.eval_blocks // world)]
+    return shards.take(mine)[1]
+
+
+def _evaluate(engine, mine: np.ndarray, cfg, rank: int, world: int) -> dict:
+    """Mean next-token loss on this worker's held-out blocks `mine` (B, T), averaged over workers."""
     import torch
     import torch.distributed as dist
 
     engine.eval()
-    mine = eval_tokens[rank::world][: max(1, cfg.eval_blocks // world)]
     total = torch.zeros(2)  # (sum of loss × blocks, blocks)
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
-            x = torch.tensor(mine[i:i + cfg.micro_batch], dtype=torch.long)  # a copy: the shared view is read-only
+            x = torch.from_numpy(mine[i:i + cfg.micro_batch]).long()  # (b, T)
             total += torch.tensor([engine(input_ids=x, labels=x).loss.item() * len(x), len(x)])
     engine.train()
     dist.all_reduce(total)

@@ -10,6 +10,7 @@ import hashlib
 import json
 
 from raypai import Artifact, StepContext, step
+from raypai.train import _fs
 from raypai.train.config import ModelConfig, PretrainConfig
 from raypai.train.trainer import pretrain as run_pretrain
 
@@ -56,7 +57,10 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
                "tokenizer": {"artifact_id": tokenizer.id, "digest": tokenizer.digest},
                "pipeline": ctx.pipeline, "pipeline_run": ctx.run_id, "step_run": ctx.step_run_id}
     ctx.progress(f"pretraining {cfg.steps} steps on {cfg.workers} Ray Train workers")
-    res = run_pretrain(shards.local_path(), tokenizer.local_path(), out, cfg, name=f"pretrain-{key.hexdigest()[:16]}",
+    # Train workers read their blocks from the shard files: the local folder of a local store, else
+    # the artifact's URI (workers on other nodes read row groups from the object store, no copy)
+    shards_at = shards.uri if _fs.is_remote(shards.uri) else shards.local_path()
+    res = run_pretrain(shards_at, tokenizer.local_path(), out, cfg, name=f"pretrain-{key.hexdigest()[:16]}",
                        storage_path=ctx.settings.home / "train", logger=ctx.logger, lineage=lineage,
                        progress=ctx.progress_reporter())
     m, info = res["metrics"], res["info"]

@@ -41,6 +41,28 @@ class MemoryEstimate:
                 f"optimizer {self.optimizer_gb:.3f}, activations {self.activations_gb:.3f})")
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture the activation estimate needs. Read from the model actually trained
+    (`ModelShape.of(model.config)`): with `model.init_from` that is the folder's config.json, whatever
+    `cfg.model` says."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def of(cls, hf_config) -> "ModelShape":
+        return cls(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads,
+                   hf_config.vocab_size)
+
+    @classmethod
+    def from_config(cls, cfg: PretrainConfig) -> "ModelShape":
+        m = cfg.model
+        return cls(m.layers, m.hidden, m.heads, max(m.vocab_size, 1))
+
+
 def model_state_bytes(n_params: int, workers: int, stage: int, mixed_precision: bool) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per worker, ZeRO §3."""
     w, g, k = (2.0, 2.0, 12.0) if mixed_precision else (4.0, 4.0, 8.0)
@@ -65,10 +87,12 @@ def activation_bytes(*, layers: int, hidden: int, heads: int, vocab: int, seq_le
     return layers * per_layer + logits
 
 
-def estimate(n_params: int, cfg: PretrainConfig, seq_len: int, stage: int, micro_batch: int) -> MemoryEstimate:
-    m = cfg.model
+def estimate(n_params: int, cfg: PretrainConfig, seq_len: int, stage: int, micro_batch: int,
+             shape: ModelShape | None = None) -> MemoryEstimate:
+    """Per-worker bytes at this stage and micro-batch; `shape` defaults to `cfg.model`'s."""
+    m = shape or ModelShape.from_config(cfg)
     weights, grads, optim = model_state_bytes(n_params, cfg.workers, stage, cfg.use_gpu)
-    act = activation_bytes(layers=m.layers, hidden=m.hidden, heads=m.heads, vocab=max(m.vocab_size, 1),
+    act = activation_bytes(layers=m.layers, hidden=m.hidden, heads=m.heads, vocab=m.vocab,
                            seq_len=seq_len, micro_batch=micro_batch, mixed_precision=cfg.use_gpu)
     return MemoryEstimate(stage, micro_batch, 1, weights / GB, grads / GB, optim / GB, act / GB)
 
@@ -80,7 +104,8 @@ def _micro_batches(target: int) -> list[int]:
     return out
 
 
-def choose(n_params: int, cfg: PretrainConfig, seq_len: int) -> tuple[PretrainConfig, MemoryEstimate]:
+def choose(n_params: int, cfg: PretrainConfig, seq_len: int,
+           shape: ModelShape | None = None) -> tuple[PretrainConfig, MemoryEstimate]:
     """The largest micro-batch (at most the requested blocks per step) that fits `memory_budget_gb`,
     at the lowest ZeRO stage that makes it fit; gradient accumulation keeps the global batch.
 
@@ -93,21 +118,21 @@ def choose(n_params: int, cfg: PretrainConfig, seq_len: int) -> tuple[PretrainCo
     if cfg.use_gpu:
         candidates += [(3, mb) for mb in _micro_batches(target)]
     for stage, mb in candidates:
-        est = estimate(n_params, cfg, seq_len, stage, mb)
+        est = estimate(n_params, cfg, seq_len, stage, mb, shape)
         if est.total_gb <= cfg.memory_budget_gb:
             accum = -(-target // mb)
             return replace(cfg, zero_stage=stage, micro_batch=mb, grad_accum=accum), replace(est, grad_accum=accum)
     last_stage = candidates[-1][0]
-    smallest = estimate(n_params, cfg, seq_len, last_stage, 1)
+    smallest = estimate(n_params, cfg, seq_len, last_stage, 1, shape)
     raise TrainError(
         f"the model ({n_params / 1e6:.1f}M parameters, sequence {seq_len}) does not fit "
         f"memory_budget_gb={cfg.memory_budget_gb} per worker even at ZeRO-{last_stage} with micro-batch 1 "
         f"({smallest.describe()}); use a smaller model, more workers, or a larger memory_budget_gb")
 
 
-def check_fits(n_params: int, cfg: PretrainConfig, seq_len: int) -> MemoryEstimate:
+def check_fits(n_params: int, cfg: PretrainConfig, seq_len: int, shape: ModelShape | None = None) -> MemoryEstimate:
     """The estimate of a manual config, or a TrainError naming what to change."""
-    est = estimate(n_params, cfg, seq_len, cfg.zero_stage, cfg.micro_batch)
+    est = estimate(n_params, cfg, seq_len, cfg.zero_stage, cfg.micro_batch, shape)
     if est.total_gb > cfg.memory_budget_gb:
         raise TrainError(
             f"this config needs {est.describe()} but memory_budget_gb={cfg.memory_budget_gb}; lower micro_batch "

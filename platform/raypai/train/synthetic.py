@@ -9,37 +9,44 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
+
+from raypai.train.data import write_shard
 
 
 def write_token_shards(folder: str | Path, *, vocab: int = 64, block: int = 32, blocks: int = 256,
-                       eval_fraction: float = 0.125, noise: float = 0.1, seed: int = 0) -> dict:
+                       eval_fraction: float = 0.125, noise: float = 0.1, seed: int = 0,
+                       shard_blocks: int = 1 << 16) -> dict:
     """A noisy deterministic "language": the next token is (3·t + 1) mod V with probability
     1 − noise, else uniform. Its unigram entropy is ≈ log V, but a model that learns the rule reaches
-    about noise·log V + H(noise) nats. Writes manifest.json, shard-00000.parquet, eval-00000.parquet."""
+    about noise·log V + H(noise) nats. Blocks 0 … n_eval − 1 are the eval split. Written
+    `shard_blocks` blocks at a time (memory stays bounded for token sets of any size) into
+    shard-*.parquet (train) and eval-*.parquet, plus manifest.json."""
     rng = np.random.default_rng(seed)
-    seqs = np.empty((blocks, block), dtype=np.int32)
-    t = rng.integers(2, vocab, size=blocks)
-    for i in range(block):  # all blocks advance together: (blocks,) per position
-        seqs[:, i] = t
-        follow = rng.random(blocks) >= noise
-        t = np.where(follow, (3 * t + 1) % vocab, rng.integers(2, vocab, size=blocks))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     n_eval = max(1, int(blocks * eval_fraction))
-    files = []
-    for name, sl, split in (("shard-00000.parquet", slice(n_eval, None), "train"),
-                            ("eval-00000.parquet", slice(0, n_eval), "eval")):
-        chunk = seqs[sl]
-        ids = np.arange(blocks)[sl]
-        arr = pa.FixedSizeListArray.from_arrays(pa.array(chunk.reshape(-1)), block).cast(pa.list_(pa.int32()))
-        pq.write_table(pa.table({"block_id": ids, "input_ids": arr}), folder / name)
-        files.append({"file": name, "split": split, "blocks": len(chunk)})
-    counts = np.bincount(seqs[n_eval:].reshape(-1), minlength=vocab).astype(float)
+    files = {"train": [], "eval": []}
+    counts = np.zeros(vocab, dtype=np.int64)
+    for lo in range(0, blocks, shard_blocks):
+        n = min(shard_blocks, blocks - lo)
+        seqs = np.empty((n, block), dtype=np.int32)  # (n, T)
+        t = rng.integers(2, vocab, size=n)
+        for i in range(block):  # all blocks advance together: (n,) per position
+            seqs[:, i] = t
+            follow = rng.random(n) >= noise
+            t = np.where(follow, (3 * t + 1) % vocab, rng.integers(2, vocab, size=n))
+        ids = np.arange(lo, lo + n)
+        for split, keep in (("eval", ids < n_eval), ("train", ids >= n_eval)):
+            if not keep.any():
+                continue
+            name = f"{'shard' if split == 'train' else 'eval'}-{len(files[split]):05d}.parquet"
+            write_shard(folder / name, ids[keep], seqs[keep])
+            files[split].append({"file": name, "split": split, "blocks": int(keep.sum())})
+        counts += np.bincount(seqs[ids >= n_eval].reshape(-1), minlength=vocab)
     p = counts[counts > 0] / counts.sum()
     manifest = {"kind": "token_shards", "block_size": block, "num_blocks": blocks - n_eval, "num_eval_blocks": n_eval,
                 "num_tokens": (blocks - n_eval) * block, "vocab_size": vocab, "eos_id": 0,
-                "tokenizer_digest": "synthetic", "files": files, "unigram_entropy_nats": float(-(p * np.log(p)).sum())}
+                "tokenizer_digest": "synthetic", "files": files["train"] + files["eval"],
+                "unigram_entropy_nats": float(-(p * np.log(p)).sum())}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return manifest

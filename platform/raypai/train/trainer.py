@@ -7,15 +7,17 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from raypai.errors import TrainError
-from raypai.train import checkpoint, strategy
+from raypai.train import _fs, checkpoint, strategy
+from raypai.train._faults import Faults
 from raypai.train.config import PretrainConfig
-from raypai.train.data import load_blocks, read_manifest
+from raypai.train.data import read_manifest
 from raypai.train.export import export_model
 from raypai.train.loop import train_loop
 from raypai.train.model import build_model, flops_per_token, param_count
@@ -51,13 +53,14 @@ def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path 
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
     model = build_model(cfg.model, vocab)
     n_params = param_count(model)
-    hf = model.config  # the real shape, also when the model comes from init_from
+    hf = model.config  # the real shape, also when the model comes from init_from (its config.json)
+    shape = strategy.ModelShape.of(hf)
     if cfg.strategy == "auto":
-        cfg, est = strategy.choose(n_params, cfg, seq_len)
+        cfg, est = strategy.choose(n_params, cfg, seq_len, shape)
         print(f"[raypai.train] strategy=auto chose ZeRO-{cfg.zero_stage}, micro-batch {cfg.micro_batch}, "
               f"accumulation {cfg.grad_accum}: {est.describe()}", flush=True)
     else:
-        est = strategy.check_fits(n_params, cfg, seq_len)
+        est = strategy.check_fits(n_params, cfg, seq_len, shape)
     info = {"n_params": n_params, "seq_len": seq_len, "vocab_size": vocab, "pad_id": pad_id,
             "eos_id": manifest.get("eos_id"), "train_blocks": manifest["_train_blocks"],
             "eval_blocks": manifest["_eval_blocks"],
@@ -74,39 +77,46 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
              progress=None) -> dict:
     """Train on the running Ray cluster and export the final model as an HF folder in `out_dir`.
 
-    A second call with the same `name` and `storage_path` (a restarted driver) continues from the
-    run's latest checkpoint; `resume=False` starts over. `logger`: any picklable object with
-    `log_metrics(dict, step=)` and `log_params(dict)` (raypai's `RunLogger`), used on rank 0.
-    `progress`: a picklable `progress(done, total, unit)` (a step's `ctx.progress_reporter()`), called on rank 0.
+    `shards_dir`: a local folder every worker can read (one node, or a shared filesystem) or a URI
+    (`s3://...`); workers read their blocks from the shard files themselves. `storage_path`: where
+    checkpoints go, a local folder or a URI pyarrow knows (`s3://bucket/prefix`; credentials and
+    `AWS_ENDPOINT_URL` from the environment). A second call with the same `name` and
+    `storage_path` (a restarted driver) continues from the run's latest checkpoint; `resume=False`
+    starts over. `logger`: any picklable object with `log_metrics(dict, step=)` and
+    `log_params(dict)` (raypai's `RunLogger`), used on rank 0. `progress`: a picklable
+    `progress(done, total, unit)` (a step's `ctx.progress_reporter()`), called on rank 0.
     Returns {"metrics", "info", "config", "seconds", "checkpoint_path"}.
     """
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    faults = Faults.from_env()  # private test hooks (raypai.train._faults), none in normal use
     cfg, info = plan(shards_dir, cfg, tokenizer_dir)
     resume_ckpt = checkpoint.checkpoint_from_path(cfg.resume_from) if cfg.resume_from else None
-    run_dir = Path(storage_path) / name
-    if not resume and run_dir.exists():
-        shutil.rmtree(run_dir)
+    fs, root = _fs.resolve(storage_path)
+    run_dir = f"{root}/{name}"
+    shown_dir = _fs.join(storage_path, name) if _fs.is_remote(storage_path) else run_dir
+    if not resume and fs.get_file_info(run_dir).type == pafs.FileType.Directory:
+        fs.delete_dir(run_dir)
     if logger is not None:
         logger.log_params({"pretrain": cfg.to_dict(), "plan": info})
     print(f"[raypai.train] {name}: {info['n_params'] / 1e6:.2f}M params, ZeRO-{cfg.zero_stage}, {cfg.workers} workers "
           f"× micro-batch {cfg.micro_batch} × accum {cfg.grad_accum}, {cfg.steps} steps; "
           f"est. {info['memory_estimate_gb']:.3f} GB/worker", flush=True)
     t0 = time.time()
-    # Blocks go once into the shared-memory object store; every worker on a node maps the same copy.
-    train_ref = ray.put(load_blocks(shards_dir, "train"))  # (block ids, tokens)
-    eval_ref = ray.put(load_blocks(shards_dir, "eval")[1])
+    shards = shards_dir if _fs.is_remote(shards_dir) else str(Path(shards_dir).absolute())
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.to_dict(), "plan": info, "logger": logger, "progress": progress,
-                           "train_ref": train_ref,
-                           "eval_ref": eval_ref, "run_dir": str(run_dir.absolute())},
+                           "shards": shards, "storage": (fs, run_dir), "faults": faults},
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                                resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage_path).absolute()),
+        # a local folder stays Ray's default local storage; a URI's filesystem travels pickled to the
+        # controller and workers (its endpoint included; credentials from their environment)
+        run_config=ray.train.RunConfig(name=name, storage_path=root,
+                                       storage_filesystem=fs if _fs.is_remote(storage_path) else None,
                                        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
         resume_from_checkpoint=resume_ckpt,
@@ -116,7 +126,7 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
     except Exception as exc:  # noqa: BLE001 - Ray wraps worker errors; keep the cause readable
         last = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
         raise TrainError(f"training run {name!r} failed after {cfg.max_failures} restart(s): {last}; its "
-                         f"checkpoints stay in {run_dir}, and calling pretrain again with name={name!r} resumes "
+                         f"checkpoints stay in {shown_dir}, and calling pretrain again with name={name!r} resumes "
                          "from the latest one") from exc
     if result.checkpoint is None:
         raise TrainError(f"training run {name!r} finished without a final checkpoint")
@@ -125,5 +135,8 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
         export_model(Path(d) / "hf", out_dir, tokenizer_dir=tokenizer_dir, eos_id=info["eos_id"],
                      pad_id=info["pad_id"], training=cfg.to_dict(), plan=info, metrics=metrics,
                      lineage=lineage or {})
+    ckpt_path = result.checkpoint.path
+    if _fs.is_remote(storage_path):  # Ray gives the path inside the bucket; callers get a URI back
+        ckpt_path = _fs.join(storage_path, name, Path(ckpt_path).name)
     return {"metrics": metrics, "info": info, "config": cfg.to_dict(), "seconds": time.time() - t0,
-            "checkpoint_path": result.checkpoint.path}
+            "checkpoint_path": ckpt_path}
