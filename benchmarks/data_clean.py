@@ -1,29 +1,46 @@
-"""Data-cleaning throughput: raypai (Ray Data) vs datatrove, on the same input, in the same run.
+"""Data cleaning and near-duplicate removal: raypai vs datatrove (and datasketch), same input, same run.
 
     .venv/bin/python benchmarks/data_clean.py                         # milton paragraphs + 200k synthetic docs
     .venv/bin/python benchmarks/data_clean.py --synthetic-docs 20000 --cpus 2 --skip-milton
+    .venv/bin/python benchmarks/data_clean.py --dedup-only --dedup-docs 20000   # MinHash dedup, one core each
 
-Needs the `bench` extra (datatrove + spacy/nltk/orjson), installed without moving torch:
-`.venv/bin/pip install -e ".[bench]" -c .ci/constraints.txt`. For each corpus and each of
-"filters" and "filters+minhash", one child process runs each system; the parent samples the
-child's process tree (Ray's GCS, raylet and workers; datatrove's worker pool) for peak memory
-(summed RSS and PSS) and CPU seconds, and prints one JSON line per result, with the 1-minute load
-average before and after (the machine may be shared) and each system's own per-op/per-step time.
+Needs the `bench` extra (datatrove + spacy/nltk/orjson) and datasketch, installed without moving
+torch: `PIP_CONSTRAINT=.ci/constraints.txt .venv/bin/pip install -e ".[bench]" datasketch`.
+Every system runs in its own child process; the parent samples the child's process tree (Ray's
+GCS, raylet and workers; datatrove's worker pool) for peak memory (summed RSS and PSS) and CPU
+seconds, and prints one JSON line per result with the 1-minute load average before and after (the
+machine may be shared).
 
-Inputs are identical JSONL files for both systems: `/work/shared/corpora/milton` split into
-blank-line paragraphs, and the valid rows of a `raypai.data.synth` corpus. Equivalent work:
+**Cleaning** ("filters" and "filters+minhash"): identical JSONL files for every system,
+`/work/shared/corpora/milton` split into blank-line paragraphs and the valid rows of a
+`raypai.data.synth` corpus. Equivalent work:
   raypai-equivalent  pii_redact, gopher_repetition, gopher_quality, fineweb_quality [+ minhash_dedup]
   raypai    unicode_nfc, boilerplate_strip, whitespace/punctuation normalize, pii_redact, word_count,
             mean_word_length, alnum/special ratios, char/word repetition, gopher_repetition,
-            flagged_words, language (the default recipe) [+ exact_dedup, minhash_dedup 14×8, 5-grams]
+            flagged_words, language (the default recipe) [+ exact_dedup, minhash_dedup]
   datatrove PIIFormatter, GopherRepetitionFilter, GopherQualityFilter, FineWebQualityFilter
             [+ MinhashDedupSignature/Buckets/Cluster/Filter, 14 buckets × 8 hashes, 5-grams, sha1]
 datatrove has no download-free language id or bad-words list, so the default recipe does more work
 than datatrove's pipeline; `raypai-equivalent` runs the same four rules (same definitions and
 defaults; words are whitespace-split where datatrove uses spaCy's tokenizer; raypai's PII op also
-redacts phones and IPv6).
+redacts phones and IPv6). raypai's minhash_dedup is its default: threshold 0.8, 21 bands × 6 rows
+of 128 hashes, every candidate verified.
 `seconds` (and docs/s, MB/s) excludes Ray's start-up (a cluster is normally up already; reported as
 `startup_s`) and includes raypai's ingest; `cpu_s` counts everything, start-up included.
+
+**Dedup only** (`--dedup-only`): the valid rows of a synthetic corpus (with its planted near
+duplicates, exact copies and near misses), MinHash near-duplicate removal on ONE core per system:
+  raypai      `MinHashDedup().find(texts)`: shingles, signatures, LSH, verification, union-find
+  datasketch  `MinHash(num_perm=128).update_batch` per document + `MinHashLSH(threshold=0.8)`
+              query-then-insert (a document matching an earlier one is dropped)
+  datatrove   its 4 MinHash stages (14 × 8, 5-grams, sha1) on one task, one worker, JSONL in/out
+Truth = the exact word-5-gram Jaccard of every pair (sparse shingle-incidence products, nothing
+sampled): recall = of the documents that should go (each cluster of pairs at J ≥ 0.8 keeps one),
+the share removed; precision = of the removed documents, the share with a partner at J ≥ 0.8;
+`near_misses_kept` = the share of planted near misses (J 0.4–0.7 with their original) kept. `docs_per_s_per_core`
+counts the dedup work only (texts already in memory; datatrove's includes its JSONL reading and
+writing, which is how it runs); `peak_rss_mb` is the child's peak, `input_rss_mb` its RSS after
+loading the texts.
 """
 
 from __future__ import annotations
@@ -163,6 +180,184 @@ def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
     return {"seconds": time.perf_counter() - t0, "startup_s": 0.0, "kept": kept, "op_seconds": steps}
 
 
+# ----------------------------------------------------------------------------- dedup only
+
+def prepare_dedup(dst: Path, docs: int) -> Path:
+    """`dst/docs.jsonl` ({"id": row, "text"}) of the valid rows of a synthetic corpus, and
+    `dst/near_misses.json` ((original row, near-miss row) of each planted near miss)."""
+    import pyarrow.parquet as pq
+
+    from raypai.data import ingest, synth
+
+    if (dst / "docs.jsonl").exists():
+        return dst
+    synth(dst / "raw", docs=docs, files=4, seed=0)
+    m = ingest(dst / "raw", dst / "ing")
+    rows = [r for part in m["parts"] for r in pq.read_table(dst / "ing" / part["file"],
+                                                             columns=["source", "text"]).to_pylist()]
+    row_of = {r["source"]: i for i, r in enumerate(rows)}
+    truth = [json.loads(line) for line in open(dst / "raw" / "_ground_truth.jsonl")]
+    misses = [(row_of[t["near_miss_of"]], row_of[t["source"]]) for t in truth if t["category"] == "near_miss"]
+    with open(dst / "docs.jsonl", "w") as fh:
+        for i, r in enumerate(rows):
+            fh.write(json.dumps({"id": str(i), "text": r["text"]}) + "\n")
+    (dst / "near_misses.json").write_text(json.dumps(misses))
+    return dst
+
+
+def _load_texts(inp: Path) -> list[str]:
+    with open(inp / "docs.jsonl") as fh:
+        return [json.loads(line)["text"] for line in fh]
+
+
+def exact_truth(texts: list[str], low: float = 0.8, chunk: int = 2000) -> dict[tuple[int, int], float]:
+    """{(i, j): J} for every pair i < j with exact word-5-gram Jaccard ≥ `low`, by sparse products
+    of the (documents × distinct shingles) incidence matrix, `chunk` rows at a time."""
+    import numpy as np
+    from scipy import sparse
+
+    from raypai.data.synth import shingle_set
+
+    ids = [np.unique(np.fromiter((hash(g) for g in shingle_set(t)), dtype=np.int64)) for t in texts]
+    _, cols = np.unique(np.concatenate(ids), return_inverse=True)
+    sizes = np.array([len(x) for x in ids])
+    indptr = np.concatenate([[0], np.cumsum(sizes)])
+    m = sparse.csr_matrix((np.ones(len(cols), np.float32), cols, indptr), shape=(len(texts), cols.max() + 1))
+    mt = m.T.tocsr()
+    out = {}
+    for lo in range(0, len(texts), chunk):
+        inter = (m[lo:lo + chunk] @ mt).tocoo()                       # shared shingles per pair
+        i, j, k = inter.row + lo, inter.col, inter.data
+        keep = j > i
+        i, j, k = i[keep], j[keep], k[keep]
+        jac = k / (sizes[i] + sizes[j] - k)
+        for a, b, v in zip(i[jac >= low].tolist(), j[jac >= low].tolist(), jac[jac >= low].tolist()):
+            out[a, b] = v
+    return out
+
+
+def dedup_scores(n: int, removed: set[int], truth: dict, misses: list) -> dict:
+    """Recall (per cluster of J ≥ 0.8 pairs, all but one member should go), precision (a removed
+    document has a partner at J ≥ 0.8) and the share of planted near misses (J 0.4–0.7 with their
+    original, nothing closer) kept."""
+    parent = list(range(n))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    partner = set()
+    for a, b in truth:
+        partner.update((a, b))
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    clusters: dict[int, list[int]] = {}
+    for d in partner:
+        clusters.setdefault(find(d), []).append(d)
+    should = sum(len(c) - 1 for c in clusters.values())
+    got = sum(min(len(c) - 1, sum(d in removed for d in c)) for c in clusters.values())
+    return {"should_remove": should, "removed": len(removed),
+            "recall": round(got / max(should, 1), 4),
+            "precision": round(sum(d in partner for d in removed) / max(len(removed), 1), 4),
+            # the rewritten member of each planted pair (its original may rightly go as a copy's duplicate)
+            "near_misses_kept": round(sum(b not in removed for _, b in misses) / max(len(misses), 1), 4)}
+
+
+def dedup_raypai(inp: Path, work: Path) -> dict:
+    from raypai.data.ops.dedup import MinHashDedup
+
+    texts = _load_texts(inp)
+    rss0 = psutil.Process().memory_info().rss
+    op = MinHashDedup()
+    t0 = time.perf_counter()
+    sigs = op.signatures(texts)
+    t1 = time.perf_counter()
+    d = op.find(texts, sigs)
+    t2 = time.perf_counter()
+    return {"seconds": t2 - t0, "signature_s": t1 - t0, "removed": d.dropped.tolist(), "input_rss": rss0,
+            "config": f"threshold 0.8, {op.num_bands}x{op.rows_per_band} of {op.num_perm}, verified",
+            "candidates": d.candidates, "verified": d.verified, "exact_checks": int(d.exact.sum())}
+
+
+def dedup_datasketch(inp: Path, work: Path) -> dict:
+    from datasketch import MinHash, MinHashLSH
+
+    texts = _load_texts(inp)
+    rss0 = psutil.Process().memory_info().rss
+    t0 = time.perf_counter()
+    lsh = MinHashLSH(threshold=0.8, num_perm=128)
+    removed = []
+    for i, text in enumerate(texts):
+        words = re.findall(r"\w+", text.lower())  # the shingling raypai and the truth use
+        m = MinHash(num_perm=128)
+        m.update_batch([" ".join(words[k:k + 5]).encode() for k in range(max(1, len(words) - 4))])
+        if lsh.query(m):
+            removed.append(i)
+        lsh.insert(str(i), m)
+    return {"seconds": time.perf_counter() - t0, "removed": removed, "input_rss": rss0,
+            "config": f"MinHashLSH threshold 0.8, {lsh.b}x{lsh.r} of 128, unverified"}
+
+
+def dedup_datatrove(inp: Path, work: Path) -> dict:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
+                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.utils.hashing import HashConfig
+
+    rss0 = psutil.Process().memory_info().rss
+    cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, hash_config=HashConfig(hash_fc="sha1"))
+
+    def ex(pipeline, name, n):
+        LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=1, logging_dir=str(work / "logs" / name),
+                              skip_completed=False).run()
+
+    t0 = time.perf_counter()
+    ex([JsonlReader(str(inp), glob_pattern="docs.jsonl"),
+        MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], "sig", 1)
+    ex([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
+       "buckets", cfg.num_buckets)
+    ex([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
+       "cluster", 1)
+    ex([JsonlReader(str(inp), glob_pattern="docs.jsonl"), MinhashDedupFilter(input_folder=str(work / "remove")),
+        JsonlWriter(str(work / "final"))], "final", 1)
+    seconds = time.perf_counter() - t0
+    import gzip
+
+    kept = set()
+    for f in (work / "final").glob("*.jsonl*"):
+        with gzip.open(f, "rt") if f.suffix == ".gz" else open(f) as fh:
+            kept.update(int(json.loads(line)["id"]) for line in fh)
+    n = sum(1 for _ in open(inp / "docs.jsonl"))
+    return {"seconds": seconds, "removed": sorted(set(range(n)) - kept), "input_rss": rss0,
+            "config": "14x8 of 112 (sha1), unverified"}
+
+
+DEDUP_SYSTEMS = {"raypai": dedup_raypai, "datasketch": dedup_datasketch, "datatrove": dedup_datatrove}
+
+
+def measure_dedup(system: str, inp: Path, work: Path, truth: dict, misses: list, n: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cmd = [sys.executable, __file__, "--child-dedup", system, "--input", str(inp), "--work", str(work)]
+    res, sampler, load_before = _run_child(cmd, f"{system} dedup")
+    removed = json.loads((work / "result.json").read_text())["removed"]
+    secs = res["seconds"]
+    return {"bench": "data_dedup", "system": system, "config": res["config"], "docs": n, "cpus": 1,
+            "seconds": round(secs, 2), "docs_per_s_per_core": round(n / secs, 1),
+            **({"signature_docs_per_s": round(n / res["signature_s"], 1)} if "signature_s" in res else {}),
+            **{k: res[k] for k in ("candidates", "verified", "exact_checks") if k in res},
+            **dedup_scores(n, set(removed), truth, misses),
+            "peak_rss_mb": round(sampler.peak_rss / 2**20), "input_rss_mb": round(res["input_rss"] / 2**20),
+            "peak_pss_mb": round(sampler.peak_pss / 2**20), "cpu_s": round(sampler.cpu_seconds, 1),
+            "load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}
+
+
 # ----------------------------------------------------------------------------- parent side
 
 class TreeSampler:
@@ -196,11 +391,8 @@ class TreeSampler:
         return sum(self.cpu.values())
 
 
-def measure(system: str, corpus: str, inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    cmd = [sys.executable, __file__, "--child", system, "--input", str(inp), "--work", str(work),
-           "--cpus", str(cpus)] + (["--minhash"] if minhash else [])
+def _run_child(cmd: list[str], what: str) -> tuple[dict, TreeSampler, float]:
+    """Run a child, sampling its process tree 4 times a second; (its last JSON line, sampler, load)."""
     load_before = os.getloadavg()[0]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"})
@@ -218,9 +410,16 @@ def measure(system: str, corpus: str, inp: Path, work: Path, minhash: bool, cpus
     out, _ = child.communicate()
     t.join()
     if child.returncode != 0:
-        raise SystemExit(f"{system} on {corpus} failed (exit {child.returncode}); rerun the child by hand: "
-                         f"{' '.join(cmd)}")
-    res = json.loads(out.strip().splitlines()[-1])
+        raise SystemExit(f"{what} failed (exit {child.returncode}); rerun the child by hand: {' '.join(cmd)}")
+    return json.loads(out.strip().splitlines()[-1]), sampler, load_before
+
+
+def measure(system: str, corpus: str, inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cmd = [sys.executable, __file__, "--child", system, "--input", str(inp), "--work", str(work),
+           "--cpus", str(cpus)] + (["--minhash"] if minhash else [])
+    res, sampler, load_before = _run_child(cmd, f"{system} on {corpus}")
     files = list(inp.glob("*.jsonl"))
     docs = sum(sum(1 for _ in open(f)) for f in files)
     mb = sum(f.stat().st_size for f in files) / 1e6
@@ -250,7 +449,27 @@ def main() -> None:
     ap.add_argument("--child", choices=["raypai", "raypai-equivalent", "datatrove"])
     ap.add_argument("--input", type=Path)
     ap.add_argument("--minhash", action="store_true")
+    ap.add_argument("--dedup-only", action="store_true", help="only the one-core MinHash dedup comparison")
+    ap.add_argument("--dedup-docs", type=int, default=20_000)
+    ap.add_argument("--child-dedup", choices=list(DEDUP_SYSTEMS))
     a = ap.parse_args()
+    if a.child_dedup:
+        res = DEDUP_SYSTEMS[a.child_dedup](a.input, a.work)
+        (a.work / "result.json").write_text(json.dumps({"removed": res.pop("removed")}))
+        print(json.dumps(res), flush=True)
+        return
+    if a.dedup_only:
+        inp = prepare_dedup(a.work / "inputs" / f"dedup-{a.dedup_docs}", a.dedup_docs)
+        texts = _load_texts(inp)
+        t0 = time.perf_counter()
+        truth = exact_truth(texts)
+        misses = json.loads((inp / "near_misses.json").read_text())
+        print(json.dumps({"bench": "data_dedup_truth", "docs": len(texts), "pairs_at_0.8": len(truth),
+                          "near_miss_pairs": len(misses), "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        for system in a.systems.split(",") if a.systems != ap.get_default("systems") else DEDUP_SYSTEMS:
+            print(json.dumps(measure_dedup(system, inp, a.work / "runs" / f"dedup-{system}", truth, misses,
+                                           len(texts))), flush=True)
+        return
     if a.child:
         if a.child == "datatrove":
             res = run_datatrove(a.input, a.work, a.minhash, a.cpus)

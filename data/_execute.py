@@ -1,4 +1,4 @@
-"""Batch functions that run inside Ray Data workers and the coordinator actor."""
+"""Batch functions that run inside the Ray Data workers of `clean`."""
 
 from __future__ import annotations
 
@@ -7,36 +7,12 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
 
 from raypai.data.ops.dedup import ExactDedup
 
-
-@ray.remote(num_cpus=0)
-class Coordinator:
-    """Gathers per-op counters from workers, one call per batch (never per row)."""
-
-    def __init__(self, op_names: list[str]):
-        self.names = op_names
-        self.rows_in = [0] * len(op_names)
-        self.rows_out = [0] * len(op_names)
-        self.seconds = [0.0] * len(op_names)
-        self.batches = 0
-
-    def add(self, rows_in: list[int], rows_out: list[int], seconds: list[float]) -> int:
-        for i in range(len(rows_in)):
-            self.rows_in[i] += rows_in[i]
-            self.rows_out[i] += rows_out[i]
-            self.seconds[i] += seconds[i]
-        self.batches += 1
-        return self.batches
-
-    def add_seconds(self, index: int, seconds: float) -> None:
-        """Driver-side time of an op (the dedup merge), added to its workers' time."""
-        self.seconds[index] += seconds
-
-    def summary(self) -> dict:
-        return {"rows_in": self.rows_in, "rows_out": self.rows_out, "seconds": self.seconds, "batches": self.batches}
+# Per-op worker seconds travel with the rows (no counter actor, one process fewer): each row of a
+# batch carries its share, batch seconds / rows, so summing a shard's column gives the shard's time.
+SECONDS_COLUMN = "op_seconds"
 
 
 def clean_shards(batch: pa.Table, raw_dir: str, batch_size: int, **row_ops_kwargs):
@@ -55,13 +31,13 @@ def clean_shards(batch: pa.Table, raw_dir: str, batch_size: int, **row_ops_kwarg
             yield apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs)
 
 
-def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list, coordinator_name: str, namespace: str) -> pa.Table:
+def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list) -> pa.Table:
     """Run mappers and filters over one batch, then compute the dedup keys of the surviving rows.
 
     Rows a filter rejects stay in the batch, marked with the op, the reason and the stat value (the
     first op that rejects a row owns it). Dedup keys are computed here, in parallel and once per
     shard (so a resumed run keeps them); the driver only merges them: `key.exact_dedup` (string)
-    and `key.minhash_dedup` (fixed-size list of num_bands uint64; zeros on dropped rows)."""
+    and `key.minhash_dedup` (fixed-size list of num_perm uint32 MinHash values; zeros on dropped rows)."""
     texts = batch.column("text").to_pylist()
     n = len(texts)
     alive = np.ones(n, dtype=bool)
@@ -69,11 +45,10 @@ def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list, coordinator_name:
     drop_reason = [None] * n
     drop_stat = np.full(n, np.nan)
     extra: dict[str, pa.Array] = {}
-    rows_in, rows_out, secs = [], [], []
+    secs = []
     for op in ops:
         t0 = time.perf_counter()
         idx = np.flatnonzero(alive)
-        rows_in.append(len(idx))
         sub = [texts[i] for i in idx]
         if hasattr(op, "map_texts"):
             for i, t in zip(idx, op.map_texts(sub)):
@@ -95,33 +70,29 @@ def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list, coordinator_name:
                 drop_op[i] = op.name
                 drop_stat[i] = s
                 drop_reason[i] = f"{op.name}={s:.4g} fails {_bounds(op)}"
-        rows_out.append(int(alive.sum()))
         secs.append(time.perf_counter() - t0)
     idx = np.flatnonzero(alive)
     sub = [texts[i] for i in idx]
     for op in dedup_ops:
         t0 = time.perf_counter()
-        rows_in.append(len(idx))
-        rows_out.append(len(idx))  # duplicates are only known after the merge, in the driver
         if isinstance(op, ExactDedup):
             keys = [None] * n
             for i, k in zip(idx, op.keys(sub)):
                 keys[i] = k
             extra[f"key.{op.name}"] = pa.array(keys, pa.string())
         else:
-            bands = np.zeros((n, op.num_bands), dtype=np.uint64)  # (N, num_bands)
-            bands[idx] = op.band_keys(op.signatures(sub))
-            extra[f"key.{op.name}"] = pa.FixedSizeListArray.from_arrays(pa.array(bands.reshape(-1)), op.num_bands)
+            sigs = np.zeros((n, op.num_perm), dtype=np.uint32)  # (N, num_perm)
+            sigs[idx] = op.signatures(sub)
+            extra[f"key.{op.name}"] = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), op.num_perm)
         secs.append(time.perf_counter() - t0)
-    coord = ray.get_actor(coordinator_name, namespace=namespace)
-    ray.get(coord.add.remote(rows_in, rows_out, secs))  # one call per batch, never per row
+    share = np.tile(np.asarray(secs) / max(n, 1), n)  # (N · n_ops,) each row's share of the batch's op time
     out = batch.set_column(batch.column_names.index("text"), "text", pa.array(texts, pa.string()))
     out = out.append_column("drop_op", pa.array(drop_op, pa.string()))
     out = out.append_column("drop_reason", pa.array(drop_reason, pa.string()))
     out = out.append_column("drop_stat", pa.array(drop_stat, pa.float64()))
     for k, v in extra.items():
         out = out.append_column(k, v)
-    return out
+    return out.append_column(SECONDS_COLUMN, pa.FixedSizeListArray.from_arrays(pa.array(share), len(secs)))
 
 
 def _bounds(op) -> str:

@@ -1,5 +1,6 @@
-"""Clean a raw dataset on Ray: mappers and filters with Ray Data `map_batches`, then exact and
-MinHash dedup with band keys sharded to union-find actors. Every row is accounted for.
+"""Clean a raw dataset on Ray: mappers and filters with Ray Data `map_batches` (which also compute
+the dedup keys and MinHash signatures), then exact and verified MinHash dedup over all shards in
+the driver. Every row is accounted for.
 
     from raypai.data import clean
     manifest = clean("ingested/", "cleaned/", recipe="default", work_dir=".raypai/work/clean-x")
@@ -15,7 +16,6 @@ import hashlib
 import json
 import shutil
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypai.data import _execute as ex
-from raypai.data.ops.dedup import BucketShard, ExactDedup, MinHashDedup, UnionFind
+from raypai.data.ops.dedup import ExactDedup
 from raypai.data.recipe import describe, is_dedup, load_recipe
 from raypai.data.report import write_report
 from raypai.errors import ConfigError, DataError
@@ -66,61 +66,65 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, include_dashboard=False)
     t0 = time.time()
-    ns = ray.get_runtime_context().namespace
-    coord_name = f"raypai-data-coordinator-{uuid.uuid4().hex[:8]}"
-    coord = ex.Coordinator.options(name=coord_name).remote([op.name for op in ops])
-    # Union-find shard actors start now, so their process start-up overlaps the filtering pass.
-    bucket_shards = {op.name: [ray.remote(BucketShard).options(
-        name=f"raypai-minhash-{op.name}-{s}-{uuid.uuid4().hex[:6]}", num_cpus=0).remote() for s in range(op.num_shards)]
-        for op in dedup_ops if isinstance(op, MinHashDedup)}
-
-    try:
-        pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
-        progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
-        for p in [p for p in pending if rows_of[p] == 0]:  # an empty shard yields no batch: commit it now
-            _commit_shard(work, p, None)
-        pending = [p for p in pending if rows_of[p] > 0]
-        if pending:
-            # largest shards first, so the last task to start is a short one
-            pending.sort(key=lambda p: -rows_of[p])
-            ds = ray.data.from_items([{"shard": p} for p in pending], override_num_blocks=len(pending))
-            ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
-                                fn_kwargs={"raw_dir": str(raw_dir), "batch_size": batch_size, "ops": row_ops,
-                                           "dedup_ops": dedup_ops, "coordinator_name": coord_name, "namespace": ns})
-            _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, stop_after_shards)
-        kept = _concat([pq.read_table(work / "kept" / f"{p}") for p in parts]).sort_by("doc_id")
-        dropped = [pq.read_table(work / "dropped" / f"{p}") for p in parts]
-        for op in dedup_ops:
-            t1 = time.perf_counter()
-            kept, gone = _dedup(kept, op, bucket_shards.get(op.name))
-            dropped.append(gone)
-            ray.get(coord.add_seconds.remote(ops.index(op), time.perf_counter() - t1))
-            progress(f"clean: {op.name} removed {gone.num_rows} duplicates")
-        live = ray.get(coord.summary.remote())
-    finally:
-        for actor in [coord, *(a for group in bucket_shards.values() for a in group)]:
-            ray.kill(actor)
+    pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
+    progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
+    for p in [p for p in pending if rows_of[p] == 0]:  # an empty shard yields no batch: commit it now
+        _commit_shard(work, p, None, len(ops))
+    pending = [p for p in pending if rows_of[p] > 0]
+    if pending:
+        # largest shards first, so the last task to start is a short one
+        pending.sort(key=lambda p: -rows_of[p])
+        ds = ray.data.from_items([{"shard": p} for p in pending], override_num_blocks=len(pending))
+        ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
+                            fn_kwargs={"raw_dir": str(raw_dir), "batch_size": batch_size, "ops": row_ops,
+                                       "dedup_ops": dedup_ops})
+        _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, stop_after_shards, len(ops))
+    # worker seconds per op of every shard's filtering (resumed shards: from the run that did them)
+    seconds = np.zeros(len(ops))
+    for p in parts:
+        seconds += json.loads((work / "done" / f"{p}.json").read_text()).get("seconds", 0.0)
+    kept = _concat([pq.read_table(work / "kept" / f"{p}") for p in parts]).sort_by("doc_id")
+    dropped = [pq.read_table(work / "dropped" / f"{p}") for p in parts]
+    for op in dedup_ops:
+        t1 = time.perf_counter()
+        kept, gone = _dedup(kept, op)
+        dropped.append(gone)
+        seconds[ops.index(op)] += time.perf_counter() - t1
+        progress(f"clean: {op.name} removed {gone.num_rows} duplicates")
     dropped_all = _concat(dropped, DROP_SCHEMA)
-    op_stats = _op_stats(ops, raw["rows"], dropped_all, live)
+    op_stats = _op_stats(ops, raw["rows"], dropped_all, seconds)
     stats_files = [f for p in parts if (f := work / "done" / f"{p}.stats.parquet").exists()]
     return _write_outputs(raw_dir, out_dir, raw, kept.select(KEEP_COLUMNS), dropped_all, op_stats, ops,
                           time.time() - t0, logger, stats_files)
 
 
-def _dedup(kept: pa.Table, op, shards: list | None) -> tuple[pa.Table, pa.Table]:
+def _dedup(kept: pa.Table, op) -> tuple[pa.Table, pa.Table]:
     """(rows kept, drop records) of one dedup op over the rows that passed the filters."""
     ids = kept.column("doc_id").to_pylist()  # sorted, so the lowest index in a cluster is its keeper
     keys = kept.column(f"key.{op.name}")
-    cluster_of = (_exact_clusters(ids, keys.to_pylist()) if isinstance(op, ExactDedup)
-                  else _minhash_clusters(ids, keys, op, shards))
-    mask = pc.is_in(kept.column("doc_id"), pa.array(list(cluster_of), pa.string()))
-    gone = kept.filter(mask)
-    gone_ids = gone.column("doc_id").to_pylist()
-    records = pa.table({"doc_id": gone_ids, "source": gone.column("source"), "op": [op.name] * len(gone_ids),
-                        "reason": [f"duplicate of {cluster_of[i]}" for i in gone_ids],
-                        "stat": pa.nulls(len(gone_ids), pa.float64()),
-                        "cluster_id": [cluster_of[i] for i in gone_ids], "text": gone.column("text")}, schema=DROP_SCHEMA)
-    return kept.filter(pc.invert(mask)), records
+    if isinstance(op, ExactDedup):
+        keeper = _exact_clusters(ids, keys.to_pylist())
+        gone_rows = np.asarray([i for i, k in enumerate(keeper) if k != i], dtype=np.int64)
+        stat = pa.nulls(len(gone_rows), pa.float64())
+        reasons = [f"duplicate of {ids[keeper[i]]}" for i in gone_rows.tolist()]
+    else:
+        sigs = np.asarray(pc.list_flatten(keys).to_numpy(zero_copy_only=False), dtype=np.uint32)
+        dups = op.find(kept.column("text"), sigs.reshape(kept.num_rows, op.num_perm))  # (N, num_perm) signatures
+        keeper, gone_rows = dups.keeper, dups.dropped
+        stat = pa.array(dups.similarity[gone_rows], pa.float64())
+        reasons = [f"near-duplicate of {ids[p]} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); "
+                   f"cluster kept {ids[k]}" for p, s, e, k in zip(dups.partner[gone_rows].tolist(),
+                                                                  dups.similarity[gone_rows].tolist(),
+                                                                  dups.exact[gone_rows].tolist(),
+                                                                  keeper[gone_rows].tolist())]
+    mask = np.zeros(kept.num_rows, dtype=bool)
+    mask[gone_rows] = True
+    gone = kept.take(pa.array(gone_rows, pa.int64()))
+    records = pa.table({"doc_id": gone.column("doc_id"), "source": gone.column("source"),
+                        "op": [op.name] * len(gone_rows), "reason": reasons, "stat": stat,
+                        "cluster_id": [ids[k] for k in np.asarray(keeper)[gone_rows].tolist()],
+                        "text": gone.column("text")}, schema=DROP_SCHEMA)
+    return kept.filter(pa.array(~mask)), records
 
 
 def _prepare_work(work: Path, recipe_desc: list) -> None:
@@ -133,7 +137,8 @@ def _prepare_work(work: Path, recipe_desc: list) -> None:
     marker.write_text(text)
 
 
-def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_after_shards: int | None) -> None:
+def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_after_shards: int | None,
+                       n_ops: int) -> None:
     """One Ray Data execution over all pending shards; batches arrive in any order and a shard is
     committed as soon as all its rows are back (so a kill loses at most the shards in flight)."""
     buffers: dict[str, list[pa.Table]] = defaultdict(list)
@@ -146,7 +151,7 @@ def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_
             buffers[part].append(rows)
             got[part] += rows.num_rows
             if got[part] == expected[part]:
-                _commit_shard(work, part, pa.concat_tables(buffers.pop(part)))
+                _commit_shard(work, part, pa.concat_tables(buffers.pop(part)), n_ops)
                 committed += 1
                 progress(f"clean: filtered shards {committed}/{len(expected)}")
                 if stop_after_shards is not None and committed >= stop_after_shards:
@@ -164,9 +169,10 @@ def _concat(tables: list[pa.Table], schema: pa.Schema | None = None) -> pa.Table
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _commit_shard(work: Path, part: str, rows: pa.Table | None) -> None:
-    """Write one shard's kept and dropped rows, then its done marker (last, so a kill in between
-    leaves the shard pending)."""
+def _commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int) -> None:
+    """Write one shard's kept and dropped rows, then its done marker with the shard's worker
+    seconds per op (last, so a kill in between leaves the shard pending)."""
+    seconds = [0.0] * n_ops
     if rows is None or not rows.num_rows:
         kept, dropped, stats_cols = KEEP_SCHEMA.empty_table(), DROP_SCHEMA.empty_table(), []
     else:
@@ -181,55 +187,32 @@ def _commit_shard(work: Path, part: str, rows: pa.Table | None) -> None:
                             "cluster_id": pa.nulls(d.num_rows, pa.string()), "text": d.column("text")},
                            schema=DROP_SCHEMA)
         stats_cols = [c for c in rows.column_names if c.startswith("stats.")]
+        share = pc.list_flatten(rows.column(ex.SECONDS_COLUMN)).to_numpy(zero_copy_only=False)
+        seconds = share.reshape(rows.num_rows, n_ops).sum(axis=0).tolist()  # (n_ops,)
     pq.write_table(kept, work / "kept" / part)
     pq.write_table(dropped, work / "dropped" / part)
     if stats_cols:
         pq.write_table(rows.select(stats_cols), work / "done" / f"{part}.stats.parquet")
     (work / "done" / f"{part}.json").write_text(json.dumps({"rows": 0 if rows is None else rows.num_rows,
-                                                             "kept": kept.num_rows}))
+                                                             "kept": kept.num_rows, "seconds": seconds}))
 
 
-def _exact_clusters(doc_ids: list[str], keys: list[str]) -> dict[str, str]:
-    """duplicate doc_id → keeper doc_id; `doc_ids` sorted, so the first holder of a key keeps it."""
-    keeper: dict[str, str] = {}
-    return {doc: keeper[key] for doc, key in zip(doc_ids, keys) if keeper.setdefault(key, doc) != doc}
+def _exact_clusters(doc_ids: list[str], keys: list[str]) -> list[int]:
+    """(N,) row of each row's keeper; `doc_ids` sorted, so the first holder of a key keeps it."""
+    first: dict[str, int] = {}
+    return [first.setdefault(key, i) for i, key in enumerate(keys)]
 
 
-def _minhash_clusters(doc_ids: list[str], bands: pa.ChunkedArray, op: MinHashDedup, shards: list,
-                      chunk: int = 1 << 18, max_inflight: int = 4) -> dict[str, str]:
-    """Band keys go to the union-find shard their hash selects (at most `max_inflight` requests
-    queued per shard: backpressure); the candidate edges they return are merged with union-find.
-    Documents are numbered in doc_id order, so cluster roots (the lowest number) are the keepers."""
-    keys = np.asarray(pc.list_flatten(bands).to_numpy(zero_copy_only=False), dtype=np.uint64)  # (N·num_bands,)
-    docs = np.repeat(np.arange(len(doc_ids), dtype=np.int64), op.num_bands)
-    owner = keys % np.uint64(op.num_shards)
-    inflight: dict[int, list] = defaultdict(list)
-    edges: list[np.ndarray] = []
-    for s in range(op.num_shards):
-        sel = np.flatnonzero(owner == s)
-        for lo in range(0, len(sel), chunk):
-            if len(inflight[s]) >= max_inflight:
-                done, inflight[s] = ray.wait(inflight[s], num_returns=1)
-                edges.append(ray.get(done[0]))
-            part = sel[lo:lo + chunk]
-            inflight[s].append(shards[s].add.remote(keys[part], docs[part]))
-    edges += [e for refs in inflight.values() for e in ray.get(refs)]
-    uf = UnionFind()
-    for a, b in np.concatenate(edges or [np.zeros((0, 2), np.int64)]).tolist():
-        uf.union(a, b)
-    return {doc_ids[d]: doc_ids[uf.find(d)] for d in list(uf.parent) if uf.find(d) != d}
-
-
-def _op_stats(ops, input_rows: int, dropped: pa.Table, live: dict) -> list[dict]:
-    """Rows in/out per op from the drop records (complete across resumed runs); seconds from the
-    coordinator (this run's work only)."""
+def _op_stats(ops, input_rows: int, dropped: pa.Table, seconds) -> list[dict]:
+    """Rows in/out per op from the drop records, worker seconds per op from the shards' done
+    markers (both complete across resumed runs), plus the driver's dedup time."""
     by_op = dict(zip(*np.unique(np.asarray(dropped.column("op").to_pylist(), dtype=object), return_counts=True))) \
         if dropped.num_rows else {}
     rows, alive = [], input_rows
     for i, op in enumerate(ops):
         n_drop = int(by_op.get(op.name, 0))
         rows.append({"op_index": i, "op_name": op.name, "rows_in": alive, "rows_out": alive - n_drop,
-                     "dropped": n_drop, "seconds": round(float(live["seconds"][i]), 4)})
+                     "dropped": n_drop, "seconds": round(float(seconds[i]), 4)})
         alive -= n_drop
     return rows
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 
 from raypai import Artifact, StepContext, step
 from raypai.data.clean import clean as clean_dataset
 from raypai.data.ingest import IngestConfig
 from raypai.data.ingest import ingest as ingest_files
-from raypai.data.recipe import describe, load_recipe
+from raypai.data.recipe import load_recipe
 from raypai.data.synth import synth
 from raypai.data.tokenizer import tokenize as tokenize_dataset
 from raypai.data.tokenizer import train_tokenizer as train_bpe
@@ -43,9 +41,9 @@ def ingest(ctx: StepContext, raw: Artifact, text_field: str = "text", text_mode:
 def clean(ctx: StepContext, raw: Artifact, recipe: str = "default") -> Artifact:
     """Filters + dedup on Ray; per-op stats to the metadata store and MLflow; the report too."""
     ops = load_recipe(recipe)
-    key = hashlib.sha256((raw.digest + json.dumps(describe(ops), sort_keys=True)).encode()).hexdigest()[:16]
     out = ctx.output_dir("clean")
-    manifest = clean_dataset(raw.local_path(), out, ops, work_dir=ctx.settings.home / "work" / f"clean-{key}",
+    # per-shard progress kept under the step call's work folder: a resumed run skips finished shards
+    manifest = clean_dataset(raw.local_path(), out, ops, work_dir=ctx.work_dir("clean"),
                              logger=ctx.logger, progress=ctx.progress)
     ctx.log_metrics({"kept": manifest["accounting"]["kept"], "dropped": manifest["accounting"]["dropped"]})
     if ctx.logger:

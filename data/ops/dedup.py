@@ -1,28 +1,30 @@
-"""Deduplication: exact (normalised-text hash) and fuzzy MinHash-LSH.
+"""Deduplication: exact (normalised-text hash) and fuzzy, verified MinHash-LSH.
 
-MinHash (Broder 1997) over word 5-gram shingles after normalisation; LSH banding (Leskovec,
-Rajaraman & Ullman, *Mining of Massive Datasets* §3.4): with b bands of r rows, two documents of
-Jaccard similarity s become candidates with probability 1 − (1 − s^r)^b. Defaults 14 × 8 = 112
-hashes (the datatrove/FineWeb MinHash configuration): ≈ 0.92 at s = 0.8, ≈ 0.99 at s = 0.85,
-≈ 0.05 at s = 0.5. Keeper of a cluster = the lowest doc_id.
+`MinHashDedup` finds pairs of documents whose word-n-gram Jaccard similarity is ≥ `threshold`
+(default 0.8): LSH candidates (bands × rows chosen so that a pair at the threshold becomes a
+candidate with probability ≥ 0.99, P(s) = 1 − (1 − s^r)^b, Leskovec, Rajaraman & Ullman, *Mining of
+Massive Datasets* §3.4.2), each candidate verified (signature estimate; exact shingle Jaccard near
+the threshold), then union-find over the verified pairs only. Keeper of a cluster = the lowest
+doc_id. The array maths is in `raypai.data.ops.minhash`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+
+from raypai.data.ops import minhash as mh
 
 _NORM_PUNCT = re.compile(r"[^\w\s]", re.U)
 _SPACES = re.compile(r"\s+")
-_MASK32 = np.uint64(0xFFFFFFFF)
 
 
 def normalize(text: str) -> str:
-    """Lower-case, punctuation removed, whitespace collapsed (the text both dedups compare)."""
+    """Lower-case, punctuation removed, whitespace collapsed (the text exact dedup compares)."""
     return _SPACES.sub(" ", _NORM_PUNCT.sub(" ", text.lower())).strip()
 
 
@@ -37,75 +39,116 @@ class ExactDedup:
 
 
 @dataclass(frozen=True)
-class MinHashDedup:
-    """Fuzzy dedup with MinHash-LSH: `ngram`-word shingles, `num_bands` × `rows_per_band` hashes."""
+class Duplicates:
+    """The outcome of near-duplicate detection over N documents (row numbers, lowest kept)."""
 
-    ngram: int = 5
-    num_bands: int = 14
-    rows_per_band: int = 8
-    seed: int = 1
-    num_shards: int = 2  # union-find actors the band keys are sharded over
-    name: str = "minhash_dedup"
+    keeper: np.ndarray      # (N,) int64: the row kept for each row's cluster (itself when kept)
+    partner: np.ndarray     # (N,) int64: for a dropped row, the row of its best verified pair; -1 otherwise
+    similarity: np.ndarray  # (N,) float: that pair's verified Jaccard (NaN for kept rows)
+    exact: np.ndarray       # (N,) bool: the similarity is the exact shingle Jaccard (else the estimate)
+    candidates: int         # LSH candidate pairs
+    verified: int           # of which passed verification
 
     @property
-    def num_perm(self) -> int:
-        return self.num_bands * self.rows_per_band
+    def dropped(self) -> np.ndarray:
+        return np.flatnonzero(self.keeper != np.arange(len(self.keeper)))
 
-    def _params(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rng = np.random.default_rng(self.seed)
-        a = rng.integers(1, 2**63, size=self.num_perm, dtype=np.uint64) | np.uint64(1)  # odd multipliers
-        b = rng.integers(0, 2**63, size=self.num_perm, dtype=np.uint64)
-        band_mix = rng.integers(1, 2**63, size=self.rows_per_band, dtype=np.uint64) | np.uint64(1)
-        return a, b, band_mix
 
-    def shingles(self, text: str) -> np.ndarray:
-        """uint64 hashes of the word n-grams of the normalised text (one per distinct shingle)."""
-        words = normalize(text).split()
-        if not words:
-            return np.zeros(0, dtype=np.uint64)
-        wh = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
-        n = min(self.ngram, len(words))
-        # polynomial combination of n consecutive word hashes, vectorised (wraps mod 2^64)
-        acc = np.zeros(len(words) - n + 1, dtype=np.uint64)
-        for i in range(n):
-            acc = acc * np.uint64(1_000_003) + wh[i:len(words) - n + 1 + i]
-        return np.unique(acc)
+@dataclass(frozen=True)
+class MinHashDedup:
+    """Verified near-duplicate removal: word `ngram` shingles, `num_perm` MinHash values, LSH with
+    `num_bands` × `rows_per_band` (0 and 0: chosen for `threshold`), verification of every candidate.
 
-    def signatures(self, texts: list[str], chunk_shingles: int = 1 << 16) -> np.ndarray:
-        """(N, num_perm) uint32 MinHash signatures; multiply-shift hashing h(x) = (a·x + b) >> 32.
+    `verify_margin`: candidates whose signature estimate lies within it of `threshold` are decided
+    by the exact shingle Jaccard. `fanout`: a document pairs with at most that many earlier members
+    of each LSH bucket."""
 
-        Vectorised over documents: the shingles of a chunk of documents are hashed as one
-        (S, num_perm) matrix and reduced per document with `np.minimum.reduceat`; `chunk_shingles`
-        bounds S (memory ≈ S × num_perm × 8 bytes)."""
-        a, b, _ = self._params()
-        out = np.full((len(texts), self.num_perm), np.iinfo(np.uint32).max, dtype=np.uint32)
-        sets = [self.shingles(t) for t in texts]
-        docs = [i for i, sh in enumerate(sets) if len(sh)]  # empty documents keep the all-max signature
-        start = 0
-        while start < len(docs):
-            stop, total = start, 0
-            while stop < len(docs) and (stop == start or total + len(sets[docs[stop]]) <= chunk_shingles):
-                total += len(sets[docs[stop]])
-                stop += 1
-            chunk = docs[start:stop]
-            sh = np.concatenate([sets[i] for i in chunk])                              # (S,)
-            offsets = np.cumsum([0] + [len(sets[i]) for i in chunk[:-1]])              # first row of each doc
-            with np.errstate(over="ignore"):
-                hv = np.multiply.outer(a, sh)                                          # (num_perm, S)
-                hv += b[:, None]
-                hv >>= np.uint64(32)
-            # rows are contiguous in S, so the per-document minimum runs along memory
-            out[chunk] = np.minimum.reduceat(hv, offsets, axis=1).T.astype(np.uint32)  # (docs, num_perm)
-            start = stop
+    threshold: float = 0.8
+    ngram: int = 5
+    num_perm: int = 128
+    num_bands: int = 0
+    rows_per_band: int = 0
+    verify_margin: float = 0.15
+    fanout: int = 4
+    seed: int = 1
+    name: str = "minhash_dedup"
+
+    def __post_init__(self):
+        problems = []
+        if not 0 < self.threshold <= 1:
+            problems.append(f"threshold must be in (0, 1] (got {self.threshold})")
+        if self.ngram < 1 or self.num_perm < 1 or self.fanout < 1:
+            problems.append(f"ngram, num_perm and fanout must be ≥ 1 "
+                            f"(got {self.ngram}, {self.num_perm}, {self.fanout})")
+        if (self.num_bands > 0) != (self.rows_per_band > 0):
+            problems.append("give both num_bands and rows_per_band, or neither (they are then chosen for threshold)")
+        elif self.num_bands * self.rows_per_band > self.num_perm:
+            problems.append(f"num_bands × rows_per_band = {self.num_bands * self.rows_per_band} exceeds num_perm "
+                            f"{self.num_perm}; raise num_perm or use fewer bands")
+        if problems:
+            raise ValueError("; ".join(problems))
+        if not self.num_bands:
+            bands, rows = mh.choose_bands(self.threshold, self.num_perm)
+            object.__setattr__(self, "num_bands", bands)
+            object.__setattr__(self, "rows_per_band", rows)
+
+    @property
+    def lsh_recall(self) -> float:
+        """Probability that a pair at exactly `threshold` becomes an LSH candidate."""
+        return mh.lsh_probability(self.threshold, self.num_bands, self.rows_per_band)
+
+    def shingles(self, texts) -> tuple[np.ndarray, np.ndarray]:
+        """(hashes, offsets) of the texts' word n-grams (see `minhash.shingle_hashes`)."""
+        return mh.shingle_hashes(texts, self.ngram)
+
+    def signatures(self, texts, batch: int = 2048) -> np.ndarray:
+        """(N, num_perm) uint32 MinHash signatures; a text without words gets all-ones. `batch`
+        texts are shingled at once (their word and shingle arrays are the peak memory)."""
+        a, b = mh.hash_params(self.num_perm, self.seed)
+        out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        for lo in range(0, len(texts), batch):
+            out[lo:lo + batch] = mh.signatures(*self.shingles(texts[lo:lo + batch]), a, b)
         return out
 
     def band_keys(self, sigs: np.ndarray) -> np.ndarray:
-        """(N, num_bands) uint64 bucket keys: each band's r values mixed into one integer."""
-        _, _, mix = self._params()
-        bands = sigs.astype(np.uint64).reshape(len(sigs), self.num_bands, self.rows_per_band)
-        with np.errstate(over="ignore"):
-            keys = (bands * mix[None, None, :]).sum(axis=2, dtype=np.uint64)
-        return keys ^ np.arange(self.num_bands, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15)
+        """(N, num_bands) uint64 LSH bucket keys."""
+        return mh.band_keys(sigs, self.num_bands, self.rows_per_band, self.seed)
+
+    def find(self, texts, sigs: np.ndarray | None = None) -> Duplicates:
+        """Near-duplicate clusters of `texts` (row order = priority: the lowest row keeps).
+        `sigs`, if given, must be `signatures(texts)` (computed elsewhere, e.g. in Ray workers)."""
+        sigs = self.signatures(texts) if sigs is None else sigs
+        n = len(sigs)
+        valid = (sigs != np.iinfo(np.uint32).max).any(axis=1)  # texts without shingles are nobody's duplicate
+        cand = mh.candidate_pairs(self.band_keys(sigs), valid, self.fanout)
+
+        def exact(pairs: np.ndarray) -> np.ndarray:
+            rows, local = np.unique(pairs, return_inverse=True)
+            sub = texts.take(pa.array(rows)) if isinstance(texts, pa.Array | pa.ChunkedArray) \
+                else [texts[i] for i in rows.tolist()]
+            h, off = self.shingles(sub)
+            return mh.exact_jaccard(h, off, local.reshape(-1, 2))
+
+        ok, sim, was_exact = mh.verify(cand, sigs, self.threshold, self.verify_margin, exact)
+        edges, sim, was_exact = cand[ok], sim[ok], was_exact[ok]
+        uf = UnionFind()
+        for i, j in edges.tolist():
+            uf.union(i, j)
+        keeper = np.arange(n)
+        for i in list(uf.parent):
+            keeper[i] = uf.find(i)
+        # each dropped row's best verified pair (either end of an edge)
+        partner, best, ex = np.full(n, -1), np.full(n, np.nan), np.zeros(n, dtype=bool)
+        order = np.argsort(-sim, kind="stable")                  # verified edges, most similar first
+        for col in (0, 1):
+            rows, first = np.unique(edges[order, col], return_index=True)  # each row's best edge at this end
+            pick = order[first]
+            better = ~(best[rows] >= sim[pick])                  # unset (NaN) or less similar
+            rows, pick = rows[better], pick[better]
+            partner[rows], best[rows], ex[rows] = edges[pick, 1 - col], sim[pick], was_exact[pick]
+        kept = keeper == np.arange(n)
+        partner[kept], best[kept], ex[kept] = -1, np.nan, False
+        return Duplicates(keeper, partner, best, ex, len(cand), len(edges))
 
 
 class UnionFind:
@@ -125,21 +168,3 @@ class UnionFind:
         if rx != ry:
             lo, hi = (rx, ry) if rx < ry else (ry, rx)
             self.parent[hi] = lo  # the root is always the lowest id: the keeper
-
-
-class BucketShard:
-    """One shard of the LSH buckets (a Ray actor in `clean`): band key → first (lowest) document
-    seen, emitting an edge for every later document in the same bucket. Calls from one caller run
-    in order and documents arrive in increasing order, so the first holder is the lowest."""
-
-    def __init__(self):
-        self.first: dict[int, int] = {}
-
-    def add(self, keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
-        """(M, 2) int64 edges (earlier doc, later doc) for keys already held."""
-        first, edges = self.first, []
-        for key, doc in zip(keys.tolist(), docs.tolist()):
-            prev = first.setdefault(key, doc)
-            if prev != doc:
-                edges.append((prev, doc))
-        return np.asarray(edges, dtype=np.int64).reshape(-1, 2)

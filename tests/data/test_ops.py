@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from raypai.data.ops import minhash
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup, UnionFind, normalize
 from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
                                      GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
@@ -112,6 +113,7 @@ def test_dedup_primitives():
     k = ExactDedup().keys(["Hello world", "hello,   world", "other"])
     assert k[0] == k[1] != k[2]
     mh = MinHashDedup()
+    assert (mh.num_bands, mh.rows_per_band) == (21, 6)  # chosen for threshold 0.8 with 128 hashes
     base = " ".join(f"w{i}" for i in range(200))
     near = base.replace("w100", "x100")
     far = " ".join(f"v{i}" for i in range(200))
@@ -121,11 +123,80 @@ def test_dedup_primitives():
     assert est == pytest.approx(191 / 201, abs=0.08)
     assert (sig[0] == sig[2]).mean() < 0.1
     keys = mh.band_keys(sig)
-    assert keys.shape == (4, 14) and (keys[0] == keys[1]).any() and not (keys[0] == keys[2]).any()
+    assert keys.shape == (4, 21) and (keys[0] == keys[1]).any() and not (keys[0] == keys[2]).any()
     uf = UnionFind()
     uf.union("b", "c")
     uf.union("c", "a")
     assert uf.find("c") == "a" and uf.find("b") == "a"
+
+
+def test_banding_follows_the_lsh_formula():
+    """P(s) = 1 − (1 − s^r)^b (MMDS §3.4.2): 21 bands of 6 rows give 1 − (1 − 0.8^6)^21 = 0.9983 at
+    s = 0.8; 18 × 7, the next-stricter banding of 128 hashes, gives only 0.9855 < 0.99."""
+    assert minhash.lsh_probability(0.8, 21, 6) == pytest.approx(1 - (1 - 0.8 ** 6) ** 21)
+    assert minhash.lsh_probability(0.8, 21, 6) == pytest.approx(0.9983, abs=1e-4)
+    assert minhash.lsh_probability(0.8, 18, 7) == pytest.approx(0.9855, abs=1e-4)
+    assert minhash.choose_bands(0.8, 128) == (21, 6)
+    assert minhash.choose_bands(0.5, 128) == (42, 3)  # 1 − (1 − 0.125)^42 = 0.9963; 32 × 4 gives 0.873
+    for t in (0.5, 0.7, 0.8, 0.9):
+        assert MinHashDedup(threshold=t).lsh_recall >= 0.99
+    with pytest.raises(ValueError, match="both num_bands and rows_per_band"):
+        MinHashDedup(num_bands=4)
+    with pytest.raises(ValueError, match="exceeds num_perm"):
+        MinHashDedup(num_bands=20, rows_per_band=8)
+    with pytest.raises(ValueError, match="threshold"):
+        MinHashDedup(threshold=1.5)
+
+
+def test_shingles_and_exact_jaccard_by_hand():
+    h, off = minhash.shingle_hashes(["", " !! ", "A b", "one two three four five six", "One, two three four five"], 5)
+    assert off.tolist() == [0, 0, 0, 1, 3, 4]  # no words: no shingle; 2 words: one; 6 words: two 5-grams
+    assert h[3] == h[1]  # case and punctuation do not matter: "one two three four five" both times
+    # sets {1,2,3} and {2,3,4}: 2 shared of 4; a set against itself: 1; empty against anything: 0
+    hashes = np.array([1, 2, 3, 3, 2, 3, 4], dtype=np.uint64)  # repeats inside a document count once
+    offsets = np.array([0, 4, 7, 7])
+    pairs = np.array([[0, 1], [0, 0], [1, 2]])
+    assert minhash.exact_jaccard(hashes, offsets, pairs).tolist() == [0.5, 1.0, 0.0]
+
+
+def test_candidates_and_verification_by_hand():
+    # band 0: rows 0, 2, 3 share a bucket; band 1: rows 1 and 3. fanout 1: a row pairs with the
+    # first earlier member only, so (2, 3) is not emitted.
+    keys = np.array([[7, 1], [8, 5], [7, 2], [7, 5]], dtype=np.uint64)
+    assert minhash.candidate_pairs(keys, fanout=1).tolist() == [[0, 2], [0, 3], [1, 3]]
+    assert minhash.candidate_pairs(keys, fanout=2).tolist() == [[0, 2], [0, 3], [1, 3], [2, 3]]
+    valid = np.array([True, True, False, True])
+    assert minhash.candidate_pairs(keys, valid=valid, fanout=4).tolist() == [[0, 3], [1, 3]]
+    # signatures agreeing on 100%, 80% and 50% of 10 values; threshold 0.8, margin 0.15: the 0.8
+    # estimate is near the threshold, so the exact Jaccard (here claimed 0.6) decides it
+    sigs = np.array([[1] * 10, [1] * 10, [1] * 8 + [2] * 2, [1] * 5 + [3] * 5], dtype=np.uint32)
+    pairs = np.array([[0, 1], [0, 2], [0, 3]])
+    ok, sim, exact = minhash.verify(pairs, sigs, 0.8, 0.15, lambda p: np.full(len(p), 0.6))
+    assert ok.tolist() == [True, False, False] and exact.tolist() == [False, True, False]
+    assert sim.tolist() == [1.0, 0.6, 0.5]
+
+
+def test_minhash_find_verifies_before_merging():
+    """A near miss (J ≈ 0.55) that LSH makes a candidate is not merged; a near duplicate is, and
+    records its keeper, partner and exact similarity; an empty text is nobody's duplicate."""
+    import random
+
+    from raypai.data.synth import jaccard, near_duplicate, near_miss, prose
+
+    rng = random.Random(5)
+    docs = [prose(rng, 14) for _ in range(40)]
+    dup = near_duplicate(docs[3], rng, 2)
+    misses = [near_miss(docs[i], rng)[0] for i in range(10)]
+    texts = docs + [dup, "", ""] + misses
+    op = MinHashDedup()
+    d = op.find(texts)
+    assert d.dropped.tolist() == [40]
+    assert d.keeper[40] == 3 and d.partner[40] == 3
+    assert d.exact[40] or d.similarity[40] >= 0.95  # estimated only when far above the threshold
+    assert d.similarity[40] == pytest.approx(jaccard(docs[3], dup), abs=1e-9 if d.exact[40] else 0.15)
+    assert d.candidates > d.verified  # some near misses were candidates and were rejected
+    broken = MinHashDedup(verify_margin=0.0, threshold=0.8)  # estimate only: still rejects J ≈ 0.55
+    assert broken.find(texts).dropped.tolist() == [40]
 
 
 def test_recipe_validation_reports_every_problem(tmp_path):
