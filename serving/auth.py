@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 
@@ -22,11 +23,28 @@ class TokenCheck:
         self.cache: dict[str, tuple[float, object]] = {}
 
     def __call__(self, request: Request, scope: str) -> str:
+        """For synchronous handlers (FastAPI runs them in its thread pool)."""
+        token = self._token(request, scope)
+        return self._verdict(self._lookup(token), scope)
+
+    async def check(self, request: Request, scope: str) -> str:
+        """For async handlers: a cache miss queries the database in a worker thread, so the event
+        loop (every other request of this replica) does not wait on it."""
+        token = self._token(request, scope)
+        hit = self._cached(token)
+        rec = hit[0] if hit is not None else await asyncio.to_thread(self._lookup, token)
+        return self._verdict(rec, scope)
+
+    @staticmethod
+    def _token(request: Request, scope: str) -> str:
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer ") or not header[7:].strip():
             raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>' "
                                 f"(create one with `raypai token create NAME --scope {scope}`)", code="missing_token")
-        rec = self._lookup(header[7:].strip())
+        return header[7:].strip()
+
+    @staticmethod
+    def _verdict(rec, scope: str) -> str:
         if rec is None or rec.revoked:
             raise APIError(401, "invalid or revoked token", code="invalid_token")
         if scope not in rec.scopes:
@@ -34,11 +52,18 @@ class TokenCheck:
                            code="wrong_scope")
         return rec.name
 
-    def _lookup(self, token: str):
-        key = hashlib.sha256(token.encode()).hexdigest()
-        hit = self.cache.get(key)
+    def _cached(self, token: str) -> tuple[object] | None:
+        """(record,) when a fresh lookup of `token` is cached (the record may be None: unknown token)."""
+        hit = self.cache.get(hashlib.sha256(token.encode()).hexdigest())
         if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
-            return hit[1]
+            return (hit[1],)
+        return None
+
+    def _lookup(self, token: str):
+        hit = self._cached(token)
+        if hit is not None:
+            return hit[0]
+        key = hashlib.sha256(token.encode()).hexdigest()
         rec = self.store.lookup_token(token)
         if len(self.cache) > 10_000:  # unknown tokens are cached too: bound the memory a scanner can take
             self.cache.clear()

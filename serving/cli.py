@@ -111,11 +111,20 @@ def get(name: str):
 def update(name: str, canary_version: Optional[int] = typer.Option(None, help="start a canary of this version"),
            canary_alias: Optional[str] = typer.Option(None, help="…or of the version behind this alias"),
            canary_percent: Optional[int] = typer.Option(None, help="share of traffic for the canary, 0-100"),
-           promote: bool = typer.Option(False, help="make the canary the stable version"),
+           promote: bool = typer.Option(False, help="make the canary the stable version (needs a healthy "
+                                                    "measured verdict on it, see `deploy get`)"),
+           force: bool = typer.Option(False, help="promote without a healthy measured verdict"),
+           canary_policy: Optional[str] = typer.Option(None, help='JSON, e.g. {"min_requests": 50, "window_s": 600}'),
            replicas: Optional[int] = None):
+    policy = None
+    if canary_policy is not None:
+        try:
+            policy = json.loads(canary_policy)
+        except json.JSONDecodeError as exc:
+            raise typer.BadParameter(f"--canary-policy {canary_policy!r} is not JSON ({exc})") from None
     body = {k: v for k, v in {"canary_version": canary_version, "canary_alias": canary_alias,
-                              "canary_percent": canary_percent, "promote": promote,
-                              "replicas": replicas}.items() if v not in (None, False)}
+                              "canary_percent": canary_percent, "promote": promote, "force": force,
+                              "canary_policy": policy, "replicas": replicas}.items() if v not in (None, False)}
     _api("PATCH", f"/api/v1/deployments/{name}", body)
 
 

@@ -10,7 +10,8 @@ import os
 
 from ray import serve
 
-from raypai.errors import DeployError, NotFoundError
+from raypai.errors import ConfigError, DeployError, NotFoundError
+from raypai.serving.canary import CanaryPolicy
 from raypai.serving.model_server import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, ModelServer
 from raypai.serving.router import Router, app_name
 from raypai.settings import Settings
@@ -40,7 +41,8 @@ class Controller:
     # ---- Serve ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        serve.start(http_options={"host": "127.0.0.1", "port": serve_port(self.settings)})
+        # host: settings.serve_host (RAYPAI_SERVE_HOST); 0.0.0.0 in the cluster manifests
+        serve.start(http_options={"host": self.settings.serve_host, "port": serve_port(self.settings)})
         apps = serve.status().applications
         if ROUTER_APP not in apps:
             serve.run(Router.bind(self.settings.database_url), name=ROUTER_APP, route_prefix="/", blocking=False)
@@ -86,15 +88,28 @@ class Controller:
         return self._record(name, spec, "running")
 
     def update(self, name: str, *, canary_version: int | None = None, canary_alias: str | None = None,
-               canary_percent: int | None = None, promote: bool = False, replicas: int | None = None,
+               canary_percent: int | None = None, promote: bool = False, force: bool = False,
+               canary_policy: dict | None = None, replicas: int | None = None,
                autoscaling: dict | None = None) -> dict:
+        """Start, resize, promote a canary; rescale. Promotion needs the router's latest verdict on the
+        canary to be `healthy` (raypai.serving.canary) unless `force`; a refusal says why."""
         spec = dict(self._get(name).spec)
+        self._collect_orphans(name, spec)
+        if canary_policy is not None:
+            try:
+                spec["canary_policy"] = CanaryPolicy.from_spec(canary_policy).to_dict()
+            except ConfigError as exc:
+                raise DeployError(str(exc)) from None
         if canary_version is not None or canary_alias is not None:
             v = self._resolve(spec["model"], canary_version, canary_alias)
             if v == spec["version"]:
                 raise DeploymentConflict(f"version {v} is already the stable version of {name!r}")
             self._run_version(name, spec, v)
             spec["canary_version"], spec["canary_percent"] = v, 10 if canary_percent is None else canary_percent
+            # a new canary starts unjudged (an earlier verdict on the same version number is not about it)
+            self.store.record_canary_check(name, spec["version"], v, "insufficient", "canary started: no traffic "
+                                           "measured yet", {"policy": CanaryPolicy.from_spec(
+                                               spec.get("canary_policy")).to_dict()})
         elif canary_percent is not None:
             if spec["canary_version"] is None:
                 raise DeployError(f"{name!r} has no canary; start one with canary_version")
@@ -106,6 +121,13 @@ class Controller:
         if promote:
             if spec["canary_version"] is None:
                 raise DeployError(f"{name!r} has no canary to promote")
+            if not force:
+                check = self.store.latest_canary_check(name, spec["canary_version"])
+                if check is None or check["decision"] != "healthy":
+                    why = check["reason"] if check else "no canary traffic has been measured yet"
+                    raise DeploymentConflict(
+                        f"promotion of v{spec['canary_version']} refused: {why}. Send it traffic "
+                        "(canary_percent) until the verdict is healthy, or promote with force=true")
             old = spec["version"]
             spec["previous_versions"] = [*spec["previous_versions"], old][-5:]
             spec["version"], spec["canary_version"], spec["canary_percent"] = spec["canary_version"], None, 0
@@ -116,6 +138,7 @@ class Controller:
     def rollback(self, name: str) -> dict:
         """Drop the canary if there is one; otherwise go back to the previous stable version."""
         spec = dict(self._get(name).spec)
+        self._collect_orphans(name, spec)
         if spec["canary_version"] is not None:
             canary = spec["canary_version"]
             spec["canary_version"], spec["canary_percent"] = None, 0
@@ -139,11 +162,13 @@ class Controller:
             serve.delete(app_name(name, v))
 
     def reconcile(self) -> list[tuple[str, str]]:
-        """Re-create applications that Serve lost (after a cluster or server restart)."""
+        """Re-create applications that Serve lost (after a cluster or server restart); delete those
+        the desired state no longer names (a canary the router rolled back by itself)."""
         self.start()
         live = serve.status().applications
         actions = []
         for d in self.store.list_deployments():
+            actions += [(d.name, f"deleted orphaned {app}") for app in self._collect_orphans(d.name, d.spec, live)]
             for v in {d.spec["version"], d.spec.get("canary_version")} - {None}:
                 if app_name(d.name, v) not in live:
                     self._run_version(d.name, d.spec, v)
@@ -152,12 +177,27 @@ class Controller:
 
     def describe(self, name: str) -> dict:
         rec = self._get(name)
-        return self._with_status(rec.name, rec.spec, rec.state, rec.history)
+        out = self._with_status(rec.name, rec.spec, rec.state, rec.history)
+        canary = rec.spec.get("canary_version")
+        out["canary_check"] = self.store.latest_canary_check(name, canary) if canary is not None else None
+        out["events"] = [h["event"] for h in rec.history if h.get("event")][-5:]
+        return out
 
     def list(self) -> list[dict]:
         return [self._with_status(d.name, d.spec, d.state, d.history) for d in self.store.list_deployments()]
 
     # ---- helpers --------------------------------------------------------------------------------
+
+    def _collect_orphans(self, name: str, spec: dict, live: dict | None = None) -> list[str]:
+        """Delete Serve applications of `name` that its desired state no longer names (the router takes
+        a failing canary out of the routing table by itself; its application goes here)."""
+        live = serve.status().applications if live is None else live
+        wanted = {app_name(name, v) for v in {spec["version"], spec.get("canary_version")} - {None}}
+        prefix = f"raypai-{name}-v"
+        gone = [a for a in live if a.startswith(prefix) and a[len(prefix):].isdigit() and a not in wanted]
+        for app in gone:
+            serve.delete(app)
+        return gone
 
     def _get(self, name: str):
         rec = self.store.get_deployment(name)

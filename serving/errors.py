@@ -6,18 +6,20 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from raypai.errors import RaypaiError
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 422: "invalid_request_error", 503: "service_unavailable"}
 
 
-class APIError(HTTPException):
+class APIError(HTTPException, RaypaiError):
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict | None = None):
         super().__init__(status, message, headers=headers)
         self.code, self.param = code, param
 
 
-class PromptError(ValueError):
+class PromptError(RaypaiError, ValueError):
     """A prompt this model cannot take; raised by the model server, answered 400 by the router.
     (Class attributes, not instance state, so they survive Ray's pickling of the exception.)"""
 

@@ -1,10 +1,14 @@
 """The model server: a Ray Serve deployment serving one registered model version. A thin shell:
 
-- `@serve.batch` groups requests that arrive together, so one forward pass prefills them all;
-- `Engine` (engine.py) decodes every running request in one batch over a shared KV cache and lets new
-  groups join at the next token step (continuous batching);
+- `Engine` (engine.py) decodes every running request in one batch over a shared KV cache, lets new
+  groups join at the next token step and lets each sequence leave the moment it finishes
+  (continuous batching);
 - the engine runs in its own thread, so the replica's event loop keeps accepting requests while the
-  model runs. Streaming requests ride in the same batch.
+  model runs; requests that arrive together (within `batch_wait_timeout_s` of an idle engine) are
+  prefilled together;
+- every request, streaming or not, gets its own result as soon as its own sequence is done: no
+  request waits for its batch-mates (no head-of-line blocking, as `@serve.batch`'s list-in/list-out
+  handler would impose).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 
 from ray import serve
 
@@ -47,8 +52,7 @@ class ModelServer:
         self.chat = ChatFormat.from_pretrained(path, tokenizer=self.tok)
         self.engine = Engine(self.model, self.tok, set(self.chat.stop_ids),
                              max_batch_size=max_batch_size)
-        self.generate_batched.set_max_batch_size(max_batch_size)
-        self.generate_batched.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.batch_wait_s = float(batch_wait_timeout_s)
         self.inbox: queue.Queue = queue.Queue()  # (key, GenRequest) waiting for the engine thread
         self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
         self.keys = itertools.count()
@@ -74,16 +78,10 @@ class ModelServer:
                 f"{self.context_window} tokens; shorten the prompt or lower max_tokens")
         return dataclasses.replace(req, prompt_ids=ids)
 
-    # max_concurrent_batches > 1: a new group is handed to the engine while earlier groups still decode.
-    @serve.batch(max_batch_size=DEFAULT_MAX_BATCH_SIZE, batch_wait_timeout_s=DEFAULT_BATCH_WAIT_S,
-                 max_concurrent_batches=64)
-    async def generate_batched(self, reqs: list[GenRequest]) -> list[GenResult]:
-        queues = [self._submit(r) for r in reqs]
-        return [await self._result(q) for q in queues]
-
     async def generate(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
-        """One completion: `req` carries the sampling settings, `prompt` or `messages` the text."""
-        return await self.generate_batched(self._prepare(req, prompt, messages))
+        """One completion: `req` carries the sampling settings, `prompt` or `messages` the text.
+        Returns when this request's sequence finishes, whatever its batch-mates still have to do."""
+        return await self._result(self._submit(self._prepare(req, prompt, messages)))
 
     async def stream(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
         """Text deltas as tokens are decoded, then the GenResult."""
@@ -131,6 +129,8 @@ class ModelServer:
         while True:
             if not self.engine.active and self.inbox.empty():
                 self.inbox.put(self.inbox.get())  # idle: sleep until a request comes
+                if self.batch_wait_s > 0:
+                    time.sleep(self.batch_wait_s)  # requests arriving together are prefilled together
             items = []
             if should_admit(self.inbox.qsize(), self.engine.free_slots, self.engine.active, waited):
                 while len(items) < self.engine.free_slots and not self.inbox.empty():

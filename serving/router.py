@@ -2,6 +2,7 @@
 (= deployment name) to the model-server application of its stable or canary version."""
 
 
+import asyncio
 import json
 import random
 import time
@@ -13,6 +14,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 
 from raypai.serving import auth
+from raypai.serving.canary import CanaryPolicy, Windows, judge
 from raypai.serving.errors import APIError, PromptError, install
 from raypai.serving.generation import GenRequest, GenResult
 from raypai.serving.schemas import ChatRequest, CompletionRequest
@@ -75,53 +77,104 @@ class Router:
         self.rng = random.Random()
         self.table: dict[str, dict] = {}
         self.loaded_at = 0.0
+        self.refreshing = asyncio.Lock()
         self.auth = auth.TokenCheck(self.store, ttl_s=5.0)
+        self.windows = Windows()  # answered requests per (deployment, version): the canary verdicts' input
+        self.judged: dict[str, tuple[float, tuple]] = {}  # deployment -> (when, what was last recorded)
+        self.judging: set[asyncio.Task] = set()
 
-    def _routes(self) -> dict[str, dict]:
-        if time.time() - self.loaded_at > 1.0:  # desired state changes through the deploy API
-            self.table = {d.name: d.spec for d in self.store.list_deployments() if d.state != "deleted"}
-            self.loaded_at = time.time()
+    async def _routes(self) -> dict[str, dict]:
+        """The routing table, re-read from the store at most once a second (desired state changes
+        through the deploy API). The read runs in a worker thread: a slow database must not stall
+        the event loop that every request of this replica shares."""
+        if time.time() - self.loaded_at > 1.0:
+            async with self.refreshing:  # one read at a time; the others wait for its table
+                if time.time() - self.loaded_at > 1.0:
+                    deployments = await asyncio.to_thread(self.store.list_deployments)
+                    self.table = {d.name: d.spec for d in deployments if d.state != "deleted"}
+                    self.loaded_at = time.time()
         return self.table
 
-    def _resolve(self, name: str):
-        spec = self._routes().get(name)
+    async def _resolve(self, name: str):
+        routes = await self._routes()
+        spec = routes.get(name)
         if spec is None:
-            known = ", ".join(sorted(self._routes())) or "none"
+            known = ", ".join(sorted(routes)) or "none"
             raise APIError(404, f"model {name!r} does not exist (deployed models: {known})", code="model_not_found",
                            param="model")
         version = pick_version(spec, self.rng)
-        return serve.get_app_handle(app_name(name, version)), f"{spec['model']}/{version}"
+        return serve.get_app_handle(app_name(name, version)), f"{spec['model']}/{version}", version
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        self.auth(request, "infer")
+        await self.auth.check(request, "infer")
         data = [{"id": n, "object": "model", "owned_by": "raypai", "created": 0,
                  "raypai_model": s["model"], "raypai_version": s["version"],
                  "raypai_canary_version": s.get("canary_version"), "raypai_canary_percent": s.get("canary_percent", 0)}
-                for n, s in sorted(self._routes().items())]
+                for n, s in sorted((await self._routes()).items())]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        self.auth(request, "infer")
+        await self.auth.check(request, "infer")
         return await self._serve(body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest, request: Request):
-        self.auth(request, "infer")
+        await self.auth.check(request, "infer")
         return await self._serve(body, chat=True)
 
     async def _serve(self, body, chat: bool):
         """Pick a version, then answer. A replica that dies under a request (crash, node loss, kill)
         costs one retry on another replica of the same version, then a 503 with Retry-After."""
-        handle, served = self._resolve(body.model)
-        for attempt in (1, 2):
-            try:
-                return await self._respond(handle, served, body, chat)
-            except RayActorError as exc:
-                if attempt == 2:
-                    raise APIError(503, f"model {served} is restarting ({type(exc).__name__}); retry shortly",
-                                   code="replica_unavailable", headers={"retry-after": "1"}) from None
+        handle, served, version = await self._resolve(body.model)
+        t0, ok = time.perf_counter(), False
+        try:
+            for attempt in (1, 2):
+                try:
+                    response = await self._respond(handle, served, body, chat)
+                    ok = True
+                    return response
+                except RayActorError as exc:
+                    if attempt == 2:
+                        raise APIError(503, f"model {served} is restarting ({type(exc).__name__}); retry shortly",
+                                       code="replica_unavailable", headers={"retry-after": "1"}) from None
+        except APIError as exc:
+            ok = exc.status_code < 500  # a client's bad request is not the version's fault
+            raise
+        finally:
+            self.windows.observe(body.model, version, ok, time.perf_counter() - t0)
+            self._judge_soon(body.model)
+
+    # ---- canary verdicts (raypai.serving.canary) -------------------------------------------------
+
+    def _judge_soon(self, name: str) -> None:
+        """Judge `name`'s canary after this answer, at most once a second, off the request's path."""
+        spec = self.table.get(name) or {}
+        if spec.get("canary_version") is None or time.monotonic() - self.judged.get(name, (0.0, None))[0] < 1.0:
+            return
+        self.judged[name] = (time.monotonic(), self.judged.get(name, (0.0, None))[1])
+        task = asyncio.ensure_future(self._judge(name, spec))
+        self.judging.add(task)
+        task.add_done_callback(self.judging.discard)
+
+    async def _judge(self, name: str, spec: dict) -> None:
+        policy = CanaryPolicy.from_spec(spec.get("canary_policy"))
+        stable = self.windows.summary(name, int(spec["version"]), policy.window_s)
+        canary = self.windows.summary(name, int(spec["canary_version"]), policy.window_s)
+        decision, reason = judge(policy, stable, canary)
+        seen = (decision, stable["requests"], stable["errors"], canary["requests"], canary["errors"])
+        if seen == self.judged[name][1]:
+            return  # nothing new to record
+        self.judged[name] = (self.judged[name][0], seen)
+        action = "none"
+        if decision == "worse" and policy.auto_rollback:
+            done = await asyncio.to_thread(self.store.rollback_canary, name, int(spec["canary_version"]), reason)
+            if done:
+                action, self.loaded_at = "rolled_back", 0.0  # the next request re-reads the routing table
+        stats = {"stable": stable, "canary": canary, "policy": policy.to_dict()}
+        await asyncio.to_thread(self.store.record_canary_check, name, int(spec["version"]),
+                                int(spec["canary_version"]), decision, reason, stats, action)
 
     async def _respond(self, handle, served: str, body, chat: bool):
         """One call to a model-server replica, which tokenizes, checks the context window and generates."""

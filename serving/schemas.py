@@ -95,5 +95,8 @@ class DeploymentPatch(BaseModel):
     canary_alias: str | None = None
     canary_percent: int | None = Field(default=None, ge=0, le=100)
     promote: bool = False
+    force: bool = Field(default=False, description="promote without a healthy measured canary verdict")
+    canary_policy: dict | None = Field(default=None, description="window_s, min_requests, max_error_rate_increase, "
+                                                                 "max_latency_ratio, auto_rollback (raypai.serving.canary)")
     replicas: int | None = Field(default=None, ge=1, le=64)
     autoscaling: Autoscaling | None = None

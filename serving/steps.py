@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from raypai import Artifact, StepContext, step
-from raypai.train.steps import model_tags
 
 
 @step(cpus=0.25)  # cached by model digest + evaluation: an unchanged re-run registers nothing new
@@ -11,8 +10,7 @@ def register(ctx: StepContext, model: Artifact, name: str, evaluation: dict | No
              alias: str = "champion") -> dict:
     """Register the model in the MLflow registry with lineage tags; set `alias` only when the
     evaluation says it beat its baseline (or when there is no evaluation)."""
-    version = ctx.tracker.register_model(model.local_path(), name, run_id=ctx.logger.run_id if ctx.logger else None,
-                                         tags=model_tags(ctx, model, {"model": model}))
+    version = ctx.register_model(model, name, {"model": model})
     promoted = evaluation is None or bool(evaluation.get("improved"))
     if promoted:
         ctx.tracker.set_alias(name, alias, version)
@@ -30,7 +28,35 @@ def unmet_gates(evaluation: dict | None, min_metrics: dict[str, float] | None) -
     return problems
 
 
-@step(cpus=0.25, cache=False)
+def still_serving(value: dict | None, store) -> str | None:
+    """The deploy step's cache check: None when the deployment its cached result names still serves
+    that version (the store's desired state, and Serve's application RUNNING), else why not. A cached
+    "not deployed" (a gate said no) holds as it is."""
+    if not value or not value.get("deployed"):
+        return None
+    name, version = value["deployment"], value["version"]
+    rec = store.get_deployment(name)
+    if rec is None or rec.state != "running":
+        return f"deployment {name!r} is {'gone' if rec is None else rec.state} now"
+    if rec.spec["version"] != version:
+        return f"deployment {name!r} now serves version {rec.spec['version']}, not {version}"
+    try:
+        from ray import serve
+
+        from raypai.serving.router import app_name
+
+        status = serve.status().applications.get(app_name(name, version))
+    except Exception as exc:  # noqa: BLE001 - Serve unreachable: redeploy rather than trust the record
+        return f"Ray Serve cannot be asked whether {name!r} runs ({type(exc).__name__}: {exc})"
+    state = getattr(getattr(status, "status", None), "value", None) if status is not None else "MISSING"
+    if state != "RUNNING":
+        return f"Serve application of {name!r} v{version} is {state}"
+    return None
+
+
+# Cached by its inputs (the registered version, the gates), vetted by a health check: a re-run whose
+# deployment already serves the version is a cache hit, not a redeploy.
+@step(cpus=0.25, cache_check=still_serving)
 def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpus: float = 0.5,
            require_promoted: bool = False, evaluation: dict | None = None,
            min_metrics: dict[str, float] | None = None) -> dict:
@@ -53,8 +79,10 @@ def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpu
         ctl.reconcile()  # same version: make sure Serve still has it
         out = ctl.describe(name)
     else:
+        # the offline evaluation (require_promoted / min_metrics) is this step's gate: roll forward at once
+        # (a measured canary is `raypai deploy update --canary-percent N`, then promote on a healthy verdict)
         ctl.update(name, canary_version=registered["version"], canary_percent=0)
-        out = ctl.update(name, promote=True)
+        out = ctl.update(name, promote=True, force=True)
     ctx.log_metrics({"deployed_version": out["spec"]["version"]})
     return {"deployed": True, "deployment": name, "model": registered["model"], "version": out["spec"]["version"],
             "endpoint": out["endpoint"]}

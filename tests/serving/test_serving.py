@@ -24,9 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Serve's proxy binds with SO_REUSEPORT: on the default port 8000, another Serve on this machine (a
-# colleague's test, `make demo`) would silently share the traffic. This module's Serve gets its own.
-os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
+# tests/conftest.py gives each test process a Serve port of its own (RAYPAI_SERVE_PORT)
 OPENAI = f"http://127.0.0.1:{serve_port()}/v1"
 
 
@@ -38,7 +36,8 @@ def stack(tmp_path_factory, tiny_model_dir):
     from raypai.store import MetadataStore
 
     home = tmp_path_factory.mktemp("serve-home")
-    settings = Settings.load({"RAYPAI_HOME": str(home)})
+    # every interface, as in the cluster manifests: a test below reaches the proxy by this machine's LAN address
+    settings = Settings.load({"RAYPAI_HOME": str(home), "RAYPAI_SERVE_HOST": "0.0.0.0"})
     tracker = Tracker(settings.mlflow_tracking_uri, artifact_root=home / "mlartifacts")
     model_dir = tiny_model_dir
     v1 = tracker.register_model(model_dir, "tiny")
@@ -61,12 +60,12 @@ def stack(tmp_path_factory, tiny_model_dir):
         raise RuntimeError("deploy API did not start")
 
     server, api = start_server()
-    yield {"api": api, "tokens": tokens, "v1": v1, "v2": v2, "restart": start_server,
+    yield {"api": api, "tokens": tokens, "v1": v1, "v2": v2, "restart": start_server, "tracker": tracker,
+           "model_dir": model_dir,
            "server": server, "store": store, "settings": settings}
     server.should_exit = True
     serve.shutdown()
     ray.shutdown()
-    os.environ.pop("RAYPAI_SERVE_PORT", None)
 
 
 def _api(stack, method, path, body=None, token="deploy"):
@@ -98,7 +97,8 @@ def test_deploy_query_canary_rollback_delete(stack):
     assert streamed == same.choices[0].message.content  # streaming and batching agree (greedy)
 
     r = _api(stack, "PATCH", "/api/v1/deployments/chat", {"canary_version": stack["v2"], "canary_percent": 50})
-    assert r.status_code == 200, r.text and r.json()["spec"]["canary_percent"] == 50
+    assert r.status_code == 200, r.text
+    assert r.json()["spec"]["canary_percent"] == 50 and r.json()["spec"]["canary_version"] == stack["v2"]
     time.sleep(1.5)  # the router refreshes its table every second
     served = [client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1)
               .headers["x-raypai-model-version"] for _ in range(40)]
@@ -112,6 +112,22 @@ def test_deploy_query_canary_rollback_delete(stack):
             .headers["x-raypai-model-version"] for _ in range(8)} == {f"tiny/{stack['v1']}"}
     assert _api(stack, "DELETE", "/api/v1/deployments/chat").status_code == 204
     assert _api(stack, "GET", "/api/v1/deployments/chat").status_code == 404
+
+
+def _lan_address() -> str:
+    """This machine's address on its default route (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.254", 9))
+        return s.getsockname()[0]
+
+
+def test_the_serve_proxy_binds_the_configured_host(stack):
+    """RAYPAI_SERVE_HOST=0.0.0.0 (the cluster manifests' value): the proxy answers on the machine's
+    LAN address, as a Kubernetes Service or load balancer reaches it, not only on loopback."""
+    lan = _lan_address()
+    assert not lan.startswith("127."), f"no non-loopback address on this machine ({lan}) to test with"
+    h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
+    assert httpx.get(f"http://{lan}:{serve_port()}/v1/models", headers=h, timeout=30).status_code == 200
 
 
 def test_auth_and_registry_only(stack):
@@ -281,3 +297,111 @@ def test_killed_replica_under_load_is_replaced_with_a_brief_error_spike(stack):
     assert len(log) > 40 and len(errors) <= 0.05 * len(log), errors  # at most a brief spike
     assert all(code in (0, 503) for _, code in errors)  # never a 500: a dead replica is "retry later"
     assert all(code == 200 for t, _, code in log if t > replaced_at)  # and none once replaced
+
+
+def test_a_short_request_does_not_wait_for_a_long_batch_mate(stack):
+    """No head-of-line blocking, through a Serve replica: two requests prefilled in one batch (they
+    arrive within the batch wait); the one that needs one token returns while the other still decodes.
+    Measured by the replica's decode-step counter: when the short answer is back, most of the long
+    request's decode steps are still to come (a list-in/list-out batch handler returns both at the end)."""
+    import asyncio
+
+    from raypai.serving.generation import GenRequest
+    from raypai.serving.router import app_name
+
+    r = _api(stack, "POST", "/api/v1/deployments", {"name": "hol", "model": "tiny", "version": stack["v1"],
+                                                    "batch_wait_timeout_s": 0.3})
+    assert r.status_code == 201, r.text
+    handle = serve.get_app_handle(app_name("hol", stack["v1"]))
+
+    async def race():
+        long_req = None
+        for seed in range(40):  # a seeded sample that runs (almost) to max_tokens without an end token
+            req = GenRequest([], max_tokens=48, temperature=1.0, seed=seed)
+            if (await handle.generate.remote(req, prompt="the quick")).completion_tokens >= 40:
+                long_req = req
+                break
+        assert long_req is not None, "no seed in 0..39 gives a long completion from the tiny model"
+        long_call = handle.generate.remote(long_req, prompt="the quick")
+        short = await handle.generate.remote(GenRequest([], max_tokens=1, temperature=0), prompt="the quick")
+        steps_at_short = (await handle.info.remote())["decode_steps"]
+        long = await long_call
+        steps_at_long = (await handle.info.remote())["decode_steps"]
+        return short, long, steps_at_long - steps_at_short
+
+    try:
+        short, long, steps_after_short = asyncio.run(race())
+    finally:
+        assert _api(stack, "DELETE", "/api/v1/deployments/hol").status_code == 204
+    assert short.completion_tokens == 1 and long.completion_tokens >= 40
+    assert steps_after_short >= 30, f"the short request came back only {steps_after_short} decode steps before " \
+                                    "its long batch-mate finished: it waited for it"
+
+
+def _broken_copy(model_dir, out):
+    """The tiny model's tokenizer over a model whose vocabulary is 5 tokens: it loads and deploys,
+    and every generation fails (token ids past the embedding table)."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    shutil.copytree(model_dir, out)
+    config = AutoConfig.from_pretrained(out)
+    config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = 5, 0, 1, None
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_a_failing_canary_is_refused_promotion_and_rolled_back_by_itself(stack, tmp_path):
+    h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
+    v3 = stack["tracker"].register_model(_broken_copy(stack["model_dir"], tmp_path / "broken"), "tiny")
+    assert _api(stack, "POST", "/api/v1/deployments", {"name": "guarded", "model": "tiny",
+                                                       "version": stack["v1"]}).status_code == 201
+    r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {
+        "canary_version": v3, "canary_percent": 50, "canary_policy": {"min_requests": 5, "auto_rollback": False}})
+    assert r.status_code == 200, r.text
+    r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {"promote": True})  # nothing measured yet
+    assert r.status_code == 409 and "no traffic measured yet" in r.json()["error"]["message"], r.text
+    time.sleep(1.5)  # the router refreshes its table every second
+
+    def query() -> httpx.Response:
+        return httpx.post(OPENAI + "/completions", json={"model": "guarded", "prompt": "a", "max_tokens": 1},
+                          headers=h, timeout=60)
+
+    def described() -> dict:
+        got = _api(stack, "GET", "/api/v1/deployments/guarded")
+        assert got.status_code == 200, got.text
+        return got.json()
+
+    answers = [query() for _ in range(30)]
+    assert {a.status_code for a in answers} == {200, 500}, [a.status_code for a in answers]
+    assert all(a.headers.get("x-raypai-model-version") == f"tiny/{stack['v1']}" for a in answers if a.status_code == 200)
+    deadline = time.time() + 30
+    while (check := described()["canary_check"])["decision"] != "worse" and time.time() < deadline:
+        query()  # the router judges after answering, at most once a second
+        time.sleep(0.5)
+    assert check["decision"] == "worse" and "error rate" in check["reason"], check
+    assert check["stats"]["canary"]["errors"] >= 5 and check["stats"]["stable"]["errors"] == 0 and check["action"] == "none"
+
+    r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {"promote": True})
+    assert r.status_code == 409 and "refused" in r.json()["error"]["message"] and "error rate" in r.text, r.text
+    assert described()["spec"]["version"] == stack["v1"]  # nothing changed
+
+    r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {"canary_policy": {"min_requests": 5}})  # auto rollback on
+    assert r.status_code == 200 and r.json()["spec"]["canary_policy"]["auto_rollback"] is True, r.text
+    time.sleep(1.5)
+    deadline = time.time() + 30
+    while (state := described())["spec"]["canary_version"] is not None and time.time() < deadline:
+        query()
+        time.sleep(0.5)
+    assert state["spec"]["canary_version"] is None and state["spec"]["version"] == stack["v1"], state
+    assert any("rolled back automatically" in e and "error rate" in e for e in state["events"]), state["events"]
+    rows = stack["store"].latest_canary_check("guarded", v3)
+    assert rows["action"] == "rolled_back" and rows["decision"] == "worse"
+    time.sleep(1.5)
+    after = [query() for _ in range(10)]
+    assert all(a.status_code == 200 and a.headers["x-raypai-model-version"] == f"tiny/{stack['v1']}" for a in after)
+    r = _api(stack, "POST", "/api/v1/deployments/guarded/rollback")  # the next control action collects v3's app
+    assert r.status_code == 400 and "neither a canary nor a previous version" in r.text, r.text
+    assert f"raypai-guarded-v{v3}" not in serve.status().applications
+    assert _api(stack, "DELETE", "/api/v1/deployments/guarded").status_code == 204
