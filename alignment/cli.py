@@ -38,8 +38,6 @@ def align_command(algo: str = typer.Argument(..., help="sft | reward_model | dpo
                   config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options"),
                   eval_fraction: float = typer.Option(0.1, help="held out when --eval-data is not given")):
     """Align a model on your data (policy, reference, reward, critic as Ray actors)."""
-    import yaml
-
     from raypai.alignment import config as C
     from raypai.alignment import data as D
     from raypai.alignment.models import resolve_model
@@ -50,7 +48,7 @@ def align_command(algo: str = typer.Argument(..., help="sft | reward_model | dpo
     if algo not in KINDS:
         raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(KINDS)}"], what="raypai align")
     # everything is validated before Ray starts
-    cfg = C.from_dict(algo, (yaml.safe_load(config.read_text()) or {}) if config else {})
+    cfg = C.from_dict(algo, _read_config(config) if config else {})
     settings = Settings.load()
     model_dir = resolve_model(model, settings.mlflow_tracking_uri, cache_dir=settings.home / "cache" / "models")
     kind = KINDS[algo]
@@ -114,3 +112,23 @@ def import_command(path: Path = typer.Argument(..., help="an HF causal-LM folder
     art = result.result
     typer.echo(json.dumps({"model": name, "alias": alias, "artifact_id": art.id, "digest": art.digest,
                            "uri": f"models:/{name}@{alias}"}, indent=1))
+
+
+def _read_config(path: Path) -> dict:
+    """A YAML or JSON options file as a dict; one clear error when it is neither or not a mapping."""
+    import yaml
+
+    from raypai.errors import ConfigError
+
+    text = path.read_text()
+    try:
+        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError([f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({exc})"],
+                          what="--config file") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError([f"{path}: expected a mapping of options (e.g. `steps: 100`), got a {type(values).__name__}"],
+                          what="--config file")
+    return values

@@ -124,11 +124,19 @@ class GRPOConfig:
     async_rollout: bool = False
     max_length: int = 0  # prompt + max_new_tokens must fit; 0 = the model's context length
     truncation: str = "refuse"
+    # torch threads of the trainer and of the rollout. 0 = placement's choice: synchronous runs
+    # colocate the roles in one bundle and each phase (rollout, then update) owns all its CPUs;
+    # async runs give each role its own bundle and 1 thread, as they work at the same time.
+    train_threads: int = 0
+    rollout_threads: int = 0
 
     def validate(self):
         p = []
         _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
                          "checkpoint_every", "rollout_replicas"), p)
+        for name in ("train_threads", "rollout_threads"):
+            if getattr(self, name) < 0:
+                p.append(f"GRPOConfig.{name} must be ≥ 0 (got {getattr(self, name)}); 0 = placement's choice")
         if self.group_size <= 1:
             p.append(f"GRPOConfig.group_size must be > 1 (got {self.group_size}): with one sample per prompt "
                      "every advantage is 0")
@@ -194,6 +202,37 @@ CONFIGS = {"sft": SFTConfig, "reward_model": RewardModelConfig, "dpo": DPOConfig
            "grpo": GRPOConfig, "ppo": PPOConfig}
 
 
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _coerce(kind: str, value):
+    """`value` as the field's declared type. A number written as text ("3e-3": YAML 1.1, which
+    PyYAML follows, reads exponents without a dot as strings) is read as that number."""
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            return float(value.strip())
+        raise ValueError
+    if kind == "int":
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value.strip())
+        raise ValueError
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError
+    if kind == "str" and not isinstance(value, str):
+        raise ValueError
+    return value
+
+
 def from_dict(algo: str, values: dict):
     """The validated config of `algo` from a plain dict (a YAML/JSON file's content). Unknown
     options and invalid values are reported together."""
@@ -203,7 +242,14 @@ def from_dict(algo: str, values: dict):
     names = {f.name for f in fields(cls)}
     problems = [f"{cls.__name__} has no option {k!r}; valid: {', '.join(sorted(names))}"
                 for k in sorted(set(values) - names)]
-    known = {k: v for k, v in values.items() if k in names}
+    types = {f.name: f.type for f in fields(cls)}
+    known = {}
+    for k, v in values.items():
+        if k in names:
+            try:
+                known[k] = _coerce(types[k], v)
+            except ValueError:
+                problems.append(f"{cls.__name__}.{k}={v!r} must be {_KINDS.get(types[k], types[k])}")
     if algo == "online_dpo":
         known["online"] = True
     try:

@@ -76,15 +76,18 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     specs = {"policy": RoleSpec(cpus=1), "reference": RoleSpec(cpus=0.5)}
     if cfg.online:
         specs.update(rollout=RoleSpec(cpus=0.5), reward=RoleSpec(cpus=0.25))
-    place = Placement(run_name, specs)
+    # the roles take turns (reference log-probs first, or per step before the update): one shared bundle,
+    # and each role works with all of its CPUs
+    place = Placement(run_name, specs, colocate=(tuple(specs),))
+    threads = max(1, round(sum(r.cpus for r in specs.values())))
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
-        [reference] = place.place("reference", Reference, model_dir)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads)
+        [reference] = place.place("reference", Reference, model_dir, threads=threads)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         rng = random.Random(cfg.seed)
         if cfg.online:
-            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed)
+            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads)
             [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None

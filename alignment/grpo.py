@@ -59,11 +59,17 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
     pad_id = fmt.tok.pad_token_id
-    place = Placement(run_name, {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
-                                 "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
+    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
+             "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
+    # CPUs; async: rollout and update overlap, each in its own bundle with one thread
+    colocate = () if cfg.async_rollout or cfg.rollout_replicas > 1 else (tuple(specs),)
+    shared = max(1, round(sum(r.cpus * r.replicas for r in specs.values()))) if colocate else 1
+    place = Placement(run_name, specs, colocate=colocate)
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
-        rollouts = place.place("rollout", Rollout, model_dir, cfg.seed)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
+                               threads=cfg.train_threads or shared)
+        rollouts = place.place("rollout", Rollout, model_dir, cfg.seed, threads=cfg.rollout_threads or shared)
         [reference] = place.place("reference", Reference, model_dir)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)

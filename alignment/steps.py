@@ -15,14 +15,12 @@ run's metrics and parent ids. Without `eval_data`, a seeded `eval_fraction` of t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 from raypai import Artifact, StepContext, pipeline, step
 from raypai.alignment import config as C
 from raypai.alignment import data as D
-from raypai.dsl import canonical
 
 ROWS_FILE = "rows.jsonl"
 
@@ -65,12 +63,6 @@ class _StepLogger:
             self.logger.log_metrics(metrics, step=step)
         if step is not None:
             self.report(step, self.total, "steps")
-
-
-def _work_dir(ctx: StepContext, algo: str, *parts) -> str:
-    """A resume folder keyed by the inputs and config, so a retried step continues its own run."""
-    key = hashlib.sha256(canonical([algo, *parts]).encode()).hexdigest()[:16]
-    return str(ctx.settings.home / "work" / f"{algo}-{key}")
 
 
 @step(cpus=0.25)
@@ -196,8 +188,7 @@ def grpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list
     out = ctx.output_dir("grpo")
     m = run_grpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"grpo-{ctx.step_run_id[:8]}",
                  rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                 checkpoint_dir=_work_dir(ctx, "grpo", sft_model.digest, reward_model.digest if reward_model else "",
-                                          prompts.digest, cfg, rewards), logger=_StepLogger(ctx, cfg.steps),
+                  checkpoint_dir=str(ctx.work_dir("checkpoints")), logger=_StepLogger(ctx, cfg.steps),
                  lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
                                                        "prompts": prompts, "eval_prompts": eval_prompts})
@@ -217,8 +208,7 @@ def ppo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[
     out = ctx.output_dir("ppo")
     m = run_ppo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"ppo-{ctx.step_run_id[:8]}",
                 rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                checkpoint_dir=_work_dir(ctx, "ppo", sft_model.digest, reward_model.digest if reward_model else "",
-                                         prompts.digest, cfg, rewards), logger=_StepLogger(ctx, cfg.steps),
+                checkpoint_dir=str(ctx.work_dir("checkpoints")), logger=_StepLogger(ctx, cfg.steps),
                 lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
                                                        "prompts": prompts, "eval_prompts": eval_prompts})
@@ -274,15 +264,12 @@ def import_model(ctx: StepContext, path: str, name: str = "", register_as: str =
     the source folder, registered in the MLflow registry as `register_as` (with `alias`) when given,
     so it can be aligned, evaluated and deployed like a model trained here."""
     from raypai.alignment.models import check_causal_lm
-    from raypai.train.steps import model_tags
 
     check_causal_lm(path, "imported")
     src = ctx.register_source(path, name=name or None)
     art = ctx.save(path, kind="model", name=name or Path(path).name, metadata={"imported_from": str(path)})
     if register_as:
-        version = ctx.tracker.register_model(art.local_path(), register_as,
-                                             run_id=ctx.logger.run_id if ctx.logger else None,
-                                             tags=model_tags(ctx, art, {"source": src}), alias=alias or None)
+        version = ctx.register_model(art, register_as, {"source": src}, alias=alias or None)
         ctx.log_metrics({"registered_version": version})
     return art
 

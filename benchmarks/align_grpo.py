@@ -1,19 +1,27 @@
-"""GRPO throughput and time split: raypai (policy, rollout, reference, reward as Ray actors) vs
-TRL's single-process `GRPOTrainer`, same tiny model, prompts, group size, lengths and CPU, same run.
+"""Alignment throughput: raypai (policy, rollout, reference, reward as Ray actors) vs TRL's
+single-process trainers, same model, prompts, lengths and CPU, in one run.
 
-    .venv/bin/python benchmarks/align_grpo.py                  # ≈ 3-4 min on 2 cores; one JSON line per result
-    .venv/bin/python benchmarks/align_grpo.py --steps 20 --prompts 8 --group 8
-    .venv/bin/python benchmarks/align_grpo.py --quality        # before/after figures of every algorithm (≈ 5 min)
+    .venv/bin/python benchmarks/align_grpo.py                    # ≈ 10 min on 2 cores; one JSON line per result
+    .venv/bin/python benchmarks/align_grpo.py --steps 3 --batches 1x8   # smoke run
+    .venv/bin/python benchmarks/align_grpo.py --only dpo
 
-Both sides start from the same SFT'd tiny Llama (so completions end with the chat end token), use
-the exact-answer rule reward, β = 0 (no reference pass, TRL's default), μ = 1, the `dapo` token-mean
-loss, `prompts × group` completions of at most `--max-new-tokens` tokens per optimizer step.
-raypai's actors run 1 torch thread each; TRL runs once per `--trl-threads` value (1 = per-core
-comparison; 2 = TRL owning both cores).
-samples/s is steady state: the first step (DeepSpeed/TRL warm-up) is excluded on both sides.
-`raypai_grpo_async` repeats raypai with `async_rollout=True` (the next batch is generated while this
-one trains: one step off-policy, the ratio taken against the sampling weights' log-probs).
-`raypai_beta` repeats raypai with β = 0.04 so the reference actor works every step.
+GRPO workload (issue #14): a random-init Llama (vocab 512, hidden 128, 4 layers: 0.79 M parameters)
+with raypai's tokenizer and chat template, 64 chat prompts `a+b=` (a, b in 0..49), `--batches`
+prompts × group per step (default 1x8 and 8x8), at most 16 new tokens (a random model rarely stops
+early, so ≈ 15 on average), β = 0, lr 1e-6, the token-mean (`dapo`) loss, 20 steps; samples/s over
+steps 2..20 (step 1 is warm-up on both sides). The reward is the exact-answer rule.
+- `raypai_grpo_sync`: rollout, reward and update one after another (the roles share the cores:
+  the working role gets every thread, see docs/alignment.md);
+- `raypai_grpo_async`: the next batch is generated while this one trains (one step off-policy);
+- `trl_grpo`: TRL `GRPOTrainer`, fp32, no gradient checkpointing, torch's default threads (its
+  fastest CPU setting), same stop tokens.
+Per-phase split for both: raypai's rollout/reward/train/sync seconds per step, TRL's
+generate-and-score vs the rest of its step.
+
+DPO: the same model on preference pairs built from the same sums (chosen = the right answer,
+rejected = a wrong one), batch 8 pairs, β 0.1, `--dpo-steps` steps; pairs/s after the first step,
+raypai `run_dpo` (reference log-probs computed once by the Reference actor) vs TRL `DPOTrainer`
+(fp32, its reference model in the same process, `precompute_ref_log_probs` on).
 """
 
 from __future__ import annotations
@@ -40,52 +48,65 @@ class Steps:
     """A RunLogger stand-in that keeps the per-step metrics of a raypai run."""
 
     def __init__(self):
-        self.rows = []
+        self.rows, self.stamps = [], []
 
     def log_metrics(self, metrics, step=None):
         if step is not None:
             self.rows.append(metrics)
+            self.stamps.append(time.perf_counter())
 
 
-def run_raypai(sft_dir: str, out: Path, args, beta: float, name: str, async_rollout: bool = False) -> dict:
-    from raypai.alignment import GRPOConfig, run_grpo
+def workload(n_prompts: int, seed: int):
     from raypai.alignment.tasks import arithmetic as ar
 
-    train, held = ar.split()
+    import random
+
+    items = ar.problems(max_operand=49)
+    random.Random(seed).shuffle(items)
+    return items[:n_prompts], items[n_prompts:n_prompts + 16]
+
+
+def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool) -> dict:
+    from raypai.alignment import GRPOConfig, run_grpo
+    from raypai.alignment.data import prompt_examples
+    from raypai.alignment.tasks import arithmetic as ar
+
+    train, held = workload(args.prompts, args.seed)
     log = Steps()
-    cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, lr=5e-4, beta=beta,
+    name = f"raypai_grpo_{'async' if async_rollout else 'sync'}_{prompts}x{group}"
+    cfg = GRPOConfig(steps=args.steps, prompts_per_step=prompts, group_size=group, lr=1e-6, beta=0.0,
                      aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed,
-                     async_rollout=async_rollout)
-    summary = run_grpo(sft_dir, str(out / name), train, held, cfg, run_name=name, logger=log)
+                     async_rollout=async_rollout, train_threads=args.train_threads, rollout_threads=args.rollout_threads)
+    t0 = time.perf_counter()
+    summary = run_grpo(model_dir, str(out / name), prompt_examples(ar.prompt_rows(train)),
+                       prompt_examples(ar.prompt_rows(held)), cfg, run_name=name.replace("_", "-"),
+                       rewards=[(ar.exact_match_reward, 1.0)], logger=log)
     steady = log.rows[1:]
     seconds = sum(r["step_seconds"] for r in steady)
     row = {"result": name, "samples_per_s": sum(r["samples"] for r in steady) / seconds,
-           "step_seconds": seconds / len(steady), "response_length": sum(r["response_length"] for r in steady) / len(steady),
-           "reward_mean": summary["mean_reward_mean"], "sync_seconds": sum(r["sync_seconds"] for r in steady) / len(steady),
-           "sync_bytes": summary["sync_bytes"], "async_rollout": async_rollout,
-           "clip_fraction": sum(r["clip_fraction"] for r in steady) / len(steady)}
+           "step_seconds": seconds / len(steady),
+           "response_length": sum(r["response_length"] for r in steady) / len(steady),
+           "reward_mean": summary["mean_reward_mean"], "sync_bytes": summary["sync_bytes"],
+           "async_rollout": async_rollout, "wall_s_incl_startup": time.perf_counter() - t0}
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
 
 
-def run_trl(sft_dir: str, out: Path, args, threads: int) -> dict:
-    import torch
+def run_trl_grpo(model_dir: str, out: Path, args, prompts: int, group: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from raypai.alignment._tensors import END, chat_prompt
     from raypai.alignment.tasks import arithmetic as ar
+    from raypai.chat import ChatFormat
 
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(sft_dir)
-    model = AutoModelForCausalLM.from_pretrained(sft_dir)
-    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids(END), tok.eos_token_id]  # same stop tokens
-    train, _ = ar.split()
-    data = Dataset.from_list([{"prompt": chat_prompt(tok, p.prompt), "answer": p.answer} for p in train])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.generation_config.eos_token_id = list(ChatFormat(tok).stop_ids)  # the same stop tokens as raypai
+    train, _ = workload(args.prompts, args.seed)
+    data = Dataset.from_list(ar.prompt_rows(train))  # conversational prompts: TRL applies the chat template
 
     class Timed(GRPOTrainer):
-        """Splits TRL's step into generation+scoring and the rest (the update)."""
         gen_seconds: list = []
 
         def _generate_and_score_completions(self, inputs):
@@ -101,96 +122,117 @@ def run_trl(sft_dir: str, out: Path, args, threads: int) -> dict:
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    cfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=args.prompts * args.group,
-                     num_generations=args.group, steps_per_generation=1, gradient_accumulation_steps=1,
-                     max_completion_length=args.max_new_tokens, learning_rate=5e-4, beta=0.0, loss_type="dapo",
+    Timed.gen_seconds = []
+    cfg = GRPOConfig(output_dir=str(out / f"trl-{prompts}x{group}"), per_device_train_batch_size=prompts * group,
+                     num_generations=group, steps_per_generation=1, gradient_accumulation_steps=1,
+                     max_completion_length=args.max_new_tokens, learning_rate=1e-6, beta=0.0, loss_type="dapo",
                      num_iterations=1, temperature=1.0, max_steps=args.steps, use_cpu=True, bf16=False,
-                     report_to=[], logging_steps=1, save_strategy="no", seed=args.seed, disable_tqdm=True)
+                     gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no",
+                     seed=args.seed, disable_tqdm=True)
     trainer = Timed(model=model, reward_funcs=ar.exact_match_reward, args=cfg, train_dataset=data,
                     processing_class=tok, callbacks=[Clock()])
     trainer.train()
+    steady = len(stamps) - 1
     seconds = stamps[-1] - stamps[0]
-    steady = args.steps - 1
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     gen = sum(Timed.gen_seconds[1:]) / steady
-    return {"result": f"trl_grpo_trainer_{threads}thread", "samples_per_s": steady * args.prompts * args.group / seconds,
+    return {"result": f"trl_grpo_{prompts}x{group}", "samples_per_s": steady * prompts * group / seconds,
             "step_seconds": seconds / steady, "response_length": sum(lengths) / len(lengths),
-            "reward_mean": sum(rewards) / len(rewards), "time_generate_and_score": gen,
-            "time_update": seconds / steady - gen}
+            "time_generate_and_score": gen, "time_rest": seconds / steady - gen, "torch_threads": _threads()}
 
 
-def quality(sft_dir: str, base_dir: str, out: Path, args) -> None:
-    """Before/after figures of every algorithm on held-out data, from one real run each."""
-    from raypai.alignment import (DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, run_dpo, run_grpo, run_ppo,
-                                  train_reward_model)
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def pairs(args):
     from raypai.alignment.tasks import arithmetic as ar
 
-    train, held = ar.split()
-    rm = train_reward_model(sft_dir, str(out / "rm"), ar.preference_pairs(train, 0, 3), ar.preference_pairs(train, 7, 1),
-                            RewardModelConfig(steps=300, lr=2e-3, batch_size=32), run_name="q-rm")
-    emit({"result": "quality_reward_model", "held_out_pair_accuracy_before": rm["rm_eval_accuracy_before"],
-          "held_out_pair_accuracy_after": rm["rm_eval_accuracy"]})
-    d = run_dpo(sft_dir, str(out / "dpo"), ar.preference_pairs(train, 0, 1), ar.preference_pairs(held, 7, 1),
-                DPOConfig(steps=40, lr=5e-4), run_name="q-dpo")
-    emit({"result": "quality_dpo", **d})
-    o = run_dpo(sft_dir, str(out / "odpo"), [], ar.preference_pairs(held, 7, 1),
-                DPOConfig(steps=40, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
-                problems=train, held_out=held, run_name="q-odpo")
-    emit({"result": "quality_online_dpo", **o})
-    g = run_grpo(sft_dir, str(out / "grpo"), train, held, GRPOConfig(steps=60, prompts_per_step=16, group_size=8,
-                 lr=5e-4, aggregation="dapo", max_new_tokens=3, eval_every=20), run_name="q-grpo")
-    emit({"result": "quality_grpo", **{k: g[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
-                                                          "mean_reward_mean", "samples_per_s")}})
-    p = run_ppo(sft_dir, str(out / "ppo"), train, held, PPOConfig(steps=40, prompts_per_step=16, max_new_tokens=3,
-                eval_every=20), reward_model_dir=str(out / "rm"), run_name="q-ppo")
-    emit({"result": "quality_ppo", **{k: p[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
-                                                         "mean_reward_mean", "mean_value_loss", "samples_per_s")}})
-    p = run_ppo(sft_dir, str(out / "ppo_rule"), train, held, PPOConfig(steps=40, prompts_per_step=16, max_new_tokens=3,
-                eval_every=20), run_name="q-ppo-rule")
-    emit({"result": "quality_ppo_rule_only", **{k: p[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
-                                                                   "mean_reward_mean", "mean_value_loss")}})
+    train, _ = workload(args.prompts, args.seed)
+    return ar.preference_rows(train, seed=args.seed, per_problem=1)
+
+
+def run_raypai_dpo(model_dir: str, out: Path, args) -> dict:
+    from raypai.alignment import DPOConfig, run_dpo
+    from raypai.alignment.data import preference_examples
+
+    rows = preference_examples(pairs(args))
+    log = Steps()
+    t0 = time.perf_counter()
+    run_dpo(model_dir, str(out / "raypai-dpo"), rows, rows[:16],
+            DPOConfig(steps=args.dpo_steps, batch_size=8, lr=1e-6, beta=0.1), run_name="bench-dpo", logger=log)
+    steady = len(log.stamps) - 1  # timed as TRL's: from the end of step 1 to the end of the last step
+    seconds = log.stamps[-1] - log.stamps[0]
+    return {"result": "raypai_dpo", "pairs_per_s": 8 * steady / seconds, "step_seconds": seconds / steady,
+            "wall_s_incl_startup": time.perf_counter() - t0}
+
+
+def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = Dataset.from_list(pairs(args))
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            stamps.append(time.perf_counter())
+
+    cfg = DPOConfig(output_dir=str(out / "trl-dpo"), per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                    learning_rate=1e-6, beta=0.1, max_steps=args.dpo_steps, use_cpu=True, bf16=False,
+                    gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no",
+                    seed=args.seed, disable_tqdm=True, precompute_ref_log_probs=True)
+    t0 = time.perf_counter()
+    DPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()]).train()
+    steady = len(stamps) - 1
+    return {"result": "trl_dpo", "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
+            "step_seconds": (stamps[-1] - stamps[0]) / steady, "wall_s_incl_startup": time.perf_counter() - t0,
+            "torch_threads": _threads()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=4)
-    ap.add_argument("--sft-steps", type=int, default=450)
+    ap.add_argument("--prompts", type=int, default=64, help="size of the prompt pool")
+    ap.add_argument("--batches", default="1x8,8x8", help="prompts x group per step, comma-separated")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--dpo-steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trl-threads", default="1,2", help="torch thread counts to run TRL with (raypai: 1 per actor)")
-    ap.add_argument("--quality", action="store_true", help="before/after accuracy of every algorithm instead")
+    ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
+    ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
+    ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
+    ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
     args = ap.parse_args()
 
     import ray
 
-    from raypai.alignment import SFTConfig, run_sft
-    from raypai.alignment.evaluate import accuracy
-    from raypai.alignment.tasks import arithmetic as ar
     from raypai.alignment.tasks.tiny import build_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="align-bench-"))
-    base = build_tiny_model(out / "base", seed=args.seed)
-    train, held = ar.split()
+    model = build_tiny_model(out / "model", hidden=128, layers=4, heads=4, kv_heads=2, vocab_size=512,
+                             seed=args.seed)
+    common = {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        t0 = time.perf_counter()
-        s = run_sft(base, str(out / "sft"), ar.sft_rows(train), ar.sft_rows(held),
-                    SFTConfig(steps=args.sft_steps, lr=3e-3, seed=args.seed), run_name="bench-sft")
-        emit({"result": "quality_sft", **s, "held_out_accuracy_base": accuracy(base, held),
-              "held_out_accuracy_sft": accuracy(out / "sft", held), "seconds": time.perf_counter() - t0})
-        if args.quality:
-            quality(str(out / "sft"), base, out, args)
-            return
-        common = {"steps": args.steps, "prompts": args.prompts, "group": args.group,
-                  "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
-        emit({**run_raypai(str(out / "sft"), out, args, 0.0, "raypai_grpo"), **common})
-        emit({**run_raypai(str(out / "sft"), out, args, 0.0, "raypai_grpo_async", async_rollout=True), **common})
-        for threads in map(int, args.trl_threads.split(",")):
-            emit({**run_trl(str(out / "sft"), out, args, threads), **common, "trl_threads": threads})
-        emit({**run_raypai(str(out / "sft"), out, args, 0.04, "raypai_grpo_beta"), **common})
+        if args.only in (None, "grpo"):
+            for batch in args.batches.split(","):
+                prompts, group = map(int, batch.split("x"))
+                runs = [lambda: run_raypai(model, out, args, prompts, group, False),
+                        lambda: run_raypai(model, out, args, prompts, group, True)]
+                if not args.no_trl:
+                    runs.append(lambda: run_trl_grpo(model, out, args, prompts, group))
+                for fn in runs:
+                    emit({**fn(), **common, "prompts_per_step": prompts, "group": group,
+                          "train_threads": args.train_threads, "rollout_threads": args.rollout_threads,
+                          "load_avg_1m": os.getloadavg()[0]})
+        if args.only in (None, "dpo"):
+            for fn in (lambda: run_raypai_dpo(model, out, args), lambda: run_trl_dpo(model, out, args)):
+                emit({**fn(), "dpo_steps": args.dpo_steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]})
     finally:
         ray.shutdown()
 

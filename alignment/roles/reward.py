@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment._tensors import pad
-from raypai.alignment.rewards import check_output, name_of
+from raypai.alignment.rewards import RewardError, check_output, name_of
 from raypai.chat import ChatFormat
 
 
@@ -52,7 +52,16 @@ class Reward:
         parts = {}
         total = [0.0] * len(prompts)
         for fn, w in self.functions:
-            vals = check_output(fn, fn(prompts, comps, **rows), prompts, completions)
+            try:
+                out = fn(prompts, comps, **rows)
+            except Exception as exc:  # the user's function: name it, say what it was given
+                shape = ("lists of messages ([{'role': 'assistant', 'content': ...}]; the text is "
+                         "completion[0]['content'])" if comps and not isinstance(comps[0], str) else "strings")
+                raise RewardError(
+                    f"reward {name_of(fn)} raised {type(exc).__name__}: {exc}. It was called as fn(prompts, "
+                    f"completions, **columns) with {len(comps)} completions as {shape} and the dataset's extra "
+                    f"columns {sorted(rows) or 'none'} as keyword lists (TRL's reward-function convention)") from exc
+            vals = check_output(fn, out, prompts, completions)
             parts[name_of(fn)] = vals
             total = [t + w * v for t, v in zip(total, vals)]
         if self.model is not None:

@@ -133,7 +133,14 @@ class ChatFormat:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         self._check_conversational(messages, "a conversation")
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja2's TemplateError, raise_exception(...) in the template, a KeyError
+            roles = [m.get("role") for m in messages] if all(isinstance(m, dict) for m in messages) else messages
+            raise DataError(f"the chat template of {self.tok.name_or_path!r} refused a conversation with roles "
+                            f"{roles}: {type(exc).__name__}: {exc}. Reshape the data to what the template accepts "
+                            "(e.g. fold a system message into the first user turn where the template has no system "
+                            "role; alternate user/assistant turns where it requires that)") from None
 
     def prompt_text(self, prompt) -> str:
         """The text the model continues: a string as is, messages through the template + assistant header."""
@@ -172,38 +179,50 @@ class ChatFormat:
 
     def encode_messages(self, messages: list[dict], learn_from: int = 0) -> tuple[list[int], list[int]]:
         """A multi-turn conversation: every assistant turn at index ≥ learn_from is learned, the rest
-        (system, user, tool turns, headers) is context. Each turn's text is the difference between the
-        template rendered up to it and up to the turn before, so any template works."""
+        (system, user, tool turns, headers) is context. The conversation is rendered once; each learned
+        turn is the span of that text between where the template's rendering up to the turn (with the
+        assistant header) leaves off and where its rendering ending with that turn stops agreeing with
+        the whole. So any template works, including ones that write something only at the very end
+        of a conversation (Phi-3's EOS) or ignore add_generation_prompt (Mistral's)."""
         self._check_conversational(messages, "a conversation")
-        ids, mask, done = [], [], ""
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant":
-                head = self.render(messages[:i], add_generation_prompt=True) if i else ""
-                ids, mask, done = self._extend(ids, mask, done, head, learn=False)
-                upto = self.render(messages[:i + 1], add_generation_prompt=False)
-                ids, mask, done = self._extend(ids, mask, done, upto, learn=i >= learn_from)
         full = self.render(messages, add_generation_prompt=False)
-        ids, mask, done = self._extend(ids, mask, done, full, learn=False)
-        if not any(mask):
+        spans: list[tuple[int, int]] = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant" or i < learn_from:
+                continue
+            start = _agreeing(self.render(messages[:i], add_generation_prompt=True), full) if i else 0
+            end = _agreeing(self.render(messages[:i + 1], add_generation_prompt=False), full)
+            content = text_of(m.get("content")).strip()
+            if end <= start or (content and content not in full[start:end]) or (spans and start < spans[-1][1]):
+                raise DataError(f"the chat template of {self.tok.name_or_path!r} renders assistant turn {i} "
+                                "differently once later turns follow (it rewrites earlier turns), so the turn "
+                                "cannot be located in the conversation; use the prompt/completion format, with the "
+                                "turn to learn as the completion")
+            spans.append((start, end))
+        if not spans:
             raise DataError("the conversation has no assistant turn to learn from; SFT data needs at least one "
                             "{'role': 'assistant', ...} message")
+        ids: list[int] = []
+        mask: list[int] = []
+        pos = 0
+        for start, end in spans:
+            self._append(ids, mask, full[pos:start], learn=False)
+            self._append(ids, mask, full[start:end], learn=True)
+            pos = end
+        self._append(ids, mask, full[pos:], learn=False)
         return ids, mask
 
-    def _extend(self, ids, mask, done: str, upto: str, *, learn: bool):
-        if not upto.startswith(done):
-            raise DataError(f"the chat template of {self.tok.name_or_path!r} does not render conversations "
-                            "prefix-consistently (an earlier turn changes when a later one is added), so assistant "
-                            "turns cannot be located; use the prompt/completion format")
-        piece = upto[len(done):]
+    def _append(self, ids: list[int], mask: list[int], piece: str, *, learn: bool) -> None:
         if not piece:
-            return ids, mask, done
+            return
         new = self._ids(piece, first=False)  # templates write their own BOS
         m = [int(learn)] * len(new)
         if learn:  # learn up to and including the last stop token; template text after it is context
             last = max((j for j, t in enumerate(new) if t in self.stop_ids), default=None)
             if last is not None:
                 m = [1] * (last + 1) + [0] * (len(new) - last - 1)
-        return ids + new, mask + m, upto
+        ids += new
+        mask += m
 
     def fit(self, ids: list[int], mask: list[int], trunc: Truncation | None, where: str) -> tuple[list[int], list[int]]:
         """Apply the context-length policy to one encoded example."""
@@ -217,6 +236,21 @@ class ChatFormat:
 
     def decode_completion(self, ids: list[int]) -> str:
         return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+
+
+def _agreeing(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def context_length(model_config) -> int:

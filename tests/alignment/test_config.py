@@ -43,3 +43,26 @@ def test_align_cli_rejects_a_bad_config_file_before_ray_starts(tmp_path):
     assert len(err.value.problems) == 2  # the unknown option and the bad value, together
     assert "no option 'learning_rate'" in str(err.value) and "group_size must be > 1" in str(err.value)
     assert not ray.is_initialized()
+
+
+def test_numbers_written_as_text_are_read_and_wrong_types_named(tmp_path):
+    """PyYAML reads `lr: 3e-3` (no dot) as a string; --config files in JSON or YAML both give floats."""
+    import yaml
+
+    from raypai.alignment.cli import _read_config
+    from raypai.alignment.config import from_dict
+
+    (tmp_path / "a.json").write_text('{"steps": 40, "lr": 3e-3}')
+    (tmp_path / "a.yaml").write_text("steps: 40\nlr: 3e-3\n")
+    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["lr"] == "3e-3"  # the quirk this guards against
+    for name in ("a.json", "a.yaml"):
+        cfg = from_dict("sft", _read_config(tmp_path / name))
+        assert cfg.lr == 0.003 and isinstance(cfg.lr, float) and cfg.steps == 40
+    with pytest.raises(ConfigError) as err:
+        from_dict("sft", {"steps": "many", "lr": [1], "truncation": 3, "batch_size": 2.5})
+    assert set(err.value.problems) == {"SFTConfig.steps='many' must be an integer", "SFTConfig.lr=[1] must be a number",
+                                       "SFTConfig.truncation=3 must be a string",
+                                       "SFTConfig.batch_size=2.5 must be an integer"}
+    (tmp_path / "bad.yaml").write_text("- steps\n- 3\n")
+    with pytest.raises(ConfigError, match="expected a mapping of options"):
+        _read_config(tmp_path / "bad.yaml")

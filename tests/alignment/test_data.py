@@ -123,3 +123,11 @@ def test_a_reward_that_breaks_is_named_at_the_first_step(ray_align, qwen, tmp_pa
     with pytest.raises(RewardError, match=r"reward nan_on_second returned nan for sample 1 \(prompt \"\[\{'role': 'user', 'content': '0\+1='"):
         run_grpo(qwen, str(tmp_path / "o"), prompts, prompts, GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
                  rewards=[nan_on_second], run_name="t-bad-reward")
+
+    def strips(prompts, completions, answer, **_):  # written for plain strings; conversational data gives messages
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    with pytest.raises(RewardError, match=r"reward strips raised AttributeError: 'list' object has no attribute "
+                                          r"'strip'\. .*as lists of messages .*completion\[0\]\['content'\].*\['answer'\]"):
+        run_grpo(qwen, str(tmp_path / "o2"), prompts, prompts, GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
+                 rewards=[strips], run_name="t-raising-reward")

@@ -93,6 +93,22 @@ def test_colocated_roles_share_one_bundle(ray_align):
         place.shutdown()
 
 
+def test_synchronous_grpo_colocates_its_roles_and_the_working_role_uses_the_bundle(ray_align, tiny_model):
+    """What run_grpo places for a synchronous run: every role in one bundle (their CPUs summed), the
+    trainer and the rollout each with all of that bundle's threads (they take turns)."""
+    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5), "reference": RoleSpec(cpus=0.5),
+             "reward": RoleSpec(cpus=0.25)}
+    place = Placement("sync-grpo-test", specs, colocate=(tuple(specs),))
+    try:
+        assert place.pg.bundle_specs == [{"CPU": 2.25}]
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-3, threads=2)
+        [rollout] = place.place("rollout", Rollout, tiny_model, threads=2)
+        threads = lambda self: torch.get_num_threads()  # noqa: E731
+        assert ray.get([policy.__ray_call__.remote(threads), rollout.__ray_call__.remote(threads)]) == [2, 2]
+    finally:
+        place.shutdown()
+
+
 def test_ppo_step_moves_the_policy_toward_positive_advantages(ray_align, tiny_model):
     """One clipped-surrogate update with advantage +1 on every token of one completion and −1 on the
     other raises the first's log-probability and lowers the second's; a sign error in the policy
