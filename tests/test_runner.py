@@ -51,6 +51,68 @@ def test_toy_caches_reruns_affected_steps_and_tracks_in_mlflow(raypai_home):
     assert chain == ["count", "transform", "write_text"]
 
 
+
+def _show_reasons(run_id: str) -> dict[str, str]:
+    """`raypai show RUN`'s line per step saying why it was or was not a cache hit."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from raypai.cli.main import app
+
+    out = CliRunner().invoke(app, ["show", run_id], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    return dict(re.findall(r"^  (\w+): (cache .*)$", out.output, flags=re.M))
+
+
+def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_explains(raypai_home, tmp_path,
+                                                                                       monkeypatch):
+    import sys
+    import uuid
+
+    from ray import cloudpickle  # Ray's own copy serialises tasks
+
+    from raypai.loader import load_pipeline
+
+    pkg = f"wordlib_{uuid.uuid4().hex[:8]}"  # a user's library package, on sys.path
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / pkg / "filters.py").write_text("THRESHOLD = 3\n\n\ndef keep(word):\n    return len(word) > THRESHOLD\n")
+    pipeline_file = tmp_path / "words.py"
+    pipeline_file.write_text(
+        f"from raypai import pipeline, step\nfrom {pkg}.filters import keep\n\n\n"
+        "@step(cpus=0.25)\ndef long_words(words: str) -> dict:\n"
+        "    return {'kept': [w for w in words.split() if keep(w)]}\n\n\n"
+        "@pipeline\ndef words(words: str = 'a bb ccc dddd eeeee'):\n    return long_words(words=words)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def run():
+        for name in [m for m in sys.modules if m.startswith(pkg)]:
+            del sys.modules[name]  # import the library as it is on disk now, as a new `raypai run` would
+        pipe = load_pipeline(f"{pipeline_file}:words")
+        # this Ray's workers do not have tmp_path on their sys.path: ship the library with the step
+        cloudpickle.register_pickle_by_value(sys.modules[f"{pkg}.filters"])
+        try:
+            return Runner(raypai_home).run(pipe.build(), source_file=str(pipeline_file))
+        finally:
+            cloudpickle.unregister_pickle_by_value(sys.modules[f"{pkg}.filters"])
+
+    first = run()
+    assert first.ok and first.result == {"kept": ["dddd", "eeeee"]}
+    assert _show_reasons(first.run_id) == {"long_words": "cache miss: no earlier run of this step recorded its key"}
+    same = run()  # nothing changed: still a cache hit
+    assert same["long_words"].state == "cached" and same.result == first.result
+    assert _show_reasons(same.run_id) == {"long_words": f"cache hit: same key as run {first.run_id[:8]} step long_words"}
+
+    filters = tmp_path / pkg / "filters.py"
+    filters.write_text(filters.read_text().replace("THRESHOLD = 3", "THRESHOLD = 4"))
+    edited = run()
+    assert edited["long_words"].state == "succeeded", "an edited library function was served from the cache"
+    assert edited.result == {"kept": ["eeeee"]}
+    assert _show_reasons(edited.run_id) == {
+        "long_words": f"cache miss: code of {pkg}.filters changed (compared with run {same.run_id[:8]} step long_words)"}
+
+
 def test_failure_is_recorded_and_resume_reruns_only_unfinished(raypai_home, tmp_path):
     marker = tmp_path / "fail-now"
     marker.write_text("x")
@@ -177,3 +239,34 @@ def test_bad_pipeline_definitions_are_clear_errors(raypai_home):
 def test_unreachable_database_fails_before_anything_runs(raypai_home, monkeypatch):
     with pytest.raises(StoreError, match="RAYPAI_DATABASE_URL"):
         Runner(raypai_home.replace(database_url="postgresql+psycopg://x@127.0.0.1:1/none"))
+
+
+@step(cpus=0.25)
+def resumable(ctx: StepContext, n: int, crash_once: str) -> dict:
+    """Keeps its progress in ctx.work_dir(): a run after a crash continues where the crash left it."""
+    progress = ctx.work_dir() / "done.txt"
+    done = int(progress.read_text()) if progress.exists() else 0
+    for i in range(done, n):
+        if i == 2 and Path(crash_once).exists():
+            Path(crash_once).unlink()
+            raise RuntimeError("crashed after 2 items")
+        progress.write_text(str(i + 1))
+    return {"started_at": done, "work_dir": str(ctx.work_dir())}
+
+
+@pipeline
+def resumable_pipe(n: int = 4, crash_once: str = ""):
+    return resumable(n=n, crash_once=crash_once)
+
+
+def test_work_dir_is_kept_for_the_same_step_call_and_new_for_another(raypai_home, tmp_path):
+    crash = tmp_path / "crash"
+    crash.write_text("x")
+    failed = _run(raypai_home, resumable_pipe, n=4, crash_once=str(crash))
+    assert failed.state == "failed" and "crashed after 2 items" in failed["resumable"].error
+    resumed = Runner(raypai_home).run(resumable_pipe.build(n=4, crash_once=str(crash)), origin_run_id=failed.run_id)
+    assert resumed.ok and resumed.result["started_at"] == 2  # the failed attempt's progress, found again
+    other = _run(raypai_home, resumable_pipe, n=5, crash_once=str(crash))  # another call: a fresh folder
+    assert other.ok and other.result["started_at"] == 0 and other.result["work_dir"] != resumed.result["work_dir"]
+    key = MetadataStore(raypai_home.database_url).get_step_run(resumed["resumable"].step_run_id)["cache_key"]
+    assert resumed.result["work_dir"].endswith(f"resumable_pipe.resumable.work-{key[:16]}")

@@ -167,6 +167,13 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
                            json={"model": "tiny", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 3})
             assert r.status_code == 200 and r.headers["x-raypai-model-version"] == "tiny/1", r.text
 
+            # a re-run while the deployment serves that version: every step a cache hit, deploy included
+            # (a health check of the deployment instead of a redeploy)
+            again = raypai("run", str(tmp_path / "ports.py"))
+            for node in ("tiny_model", "register", "deploy"):
+                assert f"{node} cached" in again.stdout, again.stdout
+            assert "deploy succeeded" not in again.stdout
+
             # the deploy API: 8080 is taken, so it records the port it took; `raypai deploy` finds it there
             log = open(tmp_path / "server.log", "w")
             server = subprocess.Popen([sys.executable, "-m", "raypai.cli", "server"], cwd=tmp_path, env=env,

@@ -43,7 +43,12 @@ def test_ports_and_dashboard_settings(tmp_path):
     cfg.write_text("[raypai]\ndashboard = false\nserve_port = 18001\n")
     from_file = Settings.load({"RAYPAI_CONFIG": str(cfg), "RAYPAI_HOME": str(tmp_path)})
     assert from_file.dashboard is False and from_file.serve_port == 18001
+    assert defaults.serve_host == "127.0.0.1"  # loopback unless asked
+    cluster = Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_HOST": "0.0.0.0"})
+    assert cluster.serve_host == "0.0.0.0" and Settings.load(cluster.to_env()) == cluster
     with pytest.raises(ConfigError) as err:
-        Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_PORT": "70000", "RAYPAI_DASHBOARD": "maybe"})
-    assert len(err.value.problems) == 2
+        Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_PORT": "70000", "RAYPAI_DASHBOARD": "maybe",
+                       "RAYPAI_SERVE_HOST": "http://0.0.0.0"})
+    assert len(err.value.problems) == 3
     assert "RAYPAI_SERVE_PORT='70000'" in str(err.value) and "RAYPAI_DASHBOARD='maybe'" in str(err.value)
+    assert "RAYPAI_SERVE_HOST='http://0.0.0.0'" in str(err.value) and "0.0.0.0 (every interface)" in str(err.value)

@@ -23,6 +23,7 @@ class StepContext:
     tracker: Tracker
     logger: RunLogger | None
     attempt: int = 0
+    cache_key: str | None = None  # the runner's key of this step call (raypai.cachekey)
     key_metrics: dict = field(default_factory=dict)
     _scratch: Path | None = None
     _reporter: object = None
@@ -33,6 +34,20 @@ class StepContext:
             self._scratch = self.settings.home / "scratch" / self.step_run_id
             self._scratch.mkdir(parents=True, exist_ok=True)
         return self._scratch
+
+    def work_key(self) -> str:
+        """16 hex digits naming this step call's resumable work: the runner's cache key, which is the
+        same for every run of this step with the same code, parameters and inputs."""
+        return (self.cache_key or self.step_run_id)[:16]
+
+    def work_dir(self, name: str = "work") -> Path:
+        """A persistent folder for resumable state (checkpoints, per-shard progress) under
+        $RAYPAI_HOME/work, shared by every attempt and run of this step call with the same cache key:
+        a retry or `raypai resume` after a crash finds what the failed attempt left there; changed
+        code, parameters or inputs get a new folder."""
+        path = self.settings.home / "work" / f"{self.pipeline}.{self.node}.{name}-{self.work_key()}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def output_dir(self, name: str = "output") -> Path:
         """A fresh, empty local folder to write an output into before `save`."""
@@ -54,6 +69,18 @@ class StepContext:
         if self.logger:
             self.logger.log_dataset(art, context="source")
         return art
+
+    def register_model(self, model: Artifact, name: str, inputs: dict[str, Artifact], *,
+                       alias: str | None = None, local_dir: str | Path | None = None) -> int:
+        """Register the saved model artifact `model` in the MLflow registry as `name` (optionally
+        setting `alias`; `local_dir`: the folder it was saved from, saving a download), tagged with its lineage (raypai.tracking.lineage_tags: the artifact, this
+        step run, `inputs`); returns the registry version."""
+        from raypai.tracking import lineage_tags
+
+        tags = lineage_tags(model, run_id=self.run_id, step_run_id=self.step_run_id, pipeline=self.pipeline,
+                            inputs=inputs)
+        return self.tracker.register_model(local_dir or model.local_path(), name, tags=tags, alias=alias,
+                                           run_id=self.logger.run_id if self.logger else None)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         self.key_metrics.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})

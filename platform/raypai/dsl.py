@@ -101,13 +101,21 @@ class StepDef:
     """A function made into a pipeline step. Call it inside a @pipeline body."""
 
     def __init__(self, fn, *, name=None, cpus=1.0, gpus=0.0, memory=None, resources=None,
-                 retries=0, retry_delay_s=1.0, cache=True):
+                 retries=0, retry_delay_s=1.0, cache=True, libraries=None, cache_check=None):
         self.fn = fn
         self.name = name or fn.__name__
         self.identity = f"{fn.__module__}:{fn.__qualname__}"
         self.cpus, self.gpus, self.memory = float(cpus), float(gpus), memory
         self.resources = dict(resources or {})
         self.retries, self.retry_delay_s, self.cache = int(retries), float(retry_delay_s), bool(cache)
+        # cache_check(value, store) -> None when a cached result still holds outside raypai's stores
+        # (e.g. a deployment still serves it), else the reason it does not (the step then runs)
+        if cache_check is not None and not callable(cache_check):
+            raise ConfigError([f"cache_check={cache_check!r} must be a function (value, store) -> str | None"],
+                              what=f"step {self.identity}")
+        self.cache_check = cache_check
+        # distributions whose installed versions enter the cache key (None: raypai.cachekey's defaults)
+        self.libraries = _check_libraries(self.identity, libraries)
         self.signature = inspect.signature(fn)
         hints = _hints(fn)
         from raypai.context import StepContext
@@ -166,7 +174,12 @@ class StepDef:
 
 
 def step(fn=None, **options):
-    """Decorator: `@step` or `@step(cpus=2, gpus=0, retries=1, cache=True, memory=None, resources={})`."""
+    """Decorator: `@step` or `@step(cpus=2, gpus=0, retries=1, cache=True, memory=None, resources={},
+    libraries=("transformers", "torch"), cache_check=None)`. `libraries` names the distributions (as
+    pip names them) whose versions enter the step's cache key; by default raypai picks them (see
+    raypai.cachekey). `cache_check(value, store)` vets a cache hit against the world outside
+    raypai's stores: it returns None when the cached value still holds, else the reason it does not
+    (the step then runs again); the deploy step checks that its deployment still serves the version."""
     if fn is None:
         return lambda f: StepDef(f, **options)
     return StepDef(fn, **options)
@@ -255,6 +268,22 @@ def _plain(value):
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
+
+
+def _check_libraries(identity: str, libraries) -> tuple[str, ...] | None:
+    if libraries is None:
+        return None
+    from raypai.cachekey import library_version
+
+    if isinstance(libraries, str) or not all(isinstance(x, str) for x in libraries):
+        raise ConfigError([f"libraries={libraries!r} must be a tuple of distribution names, "
+                           "e.g. libraries=(\"transformers\", \"torch\")"], what=f"step {identity}")
+    missing = [x for x in libraries if library_version(x) is None]
+    if missing:
+        raise ConfigError([f"library {x!r} is not installed, so its version cannot enter the cache key; "
+                           "name distributions as pip lists them (`pip list`)" for x in missing],
+                          what=f"step {identity}")
+    return tuple(sorted(set(libraries)))
 
 
 def _hints(fn) -> dict:

@@ -10,8 +10,7 @@ from raypai.errors import NotFoundError
 from raypai.lineage import sources, upstream
 from raypai.settings import Settings
 from raypai.store import MetadataStore
-
-ARTIFACT_TAG = "raypai.artifact_id"  # set on every model version raypai registers
+from raypai.tracking import ARTIFACT_TAG
 
 
 def _versions(spec: dict) -> list[tuple[str, int, str]]:

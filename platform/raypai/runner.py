@@ -1,13 +1,14 @@
 """Runner: executes a pipeline DAG on Ray, one Ray task per step call, ready steps concurrently.
 
-Per step: cache key = sha256(step identity, source hash, canonical params, input digests); a
-finished step run with the same key whose outputs still exist is reused (state `cached`). Failed
+Per step: cache key = sha256 over its components (raypai.cachekey: step source, params and input
+digests, the code of the project modules it imports, library and raypai versions); a finished
+step run with the same key whose outputs still exist is reused (state `cached`), and the step run
+records why it was or was not a hit. Failed
 steps retry with exponential backoff; their descendants are skipped, independent branches finish.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import cloudpickle
 
 from raypai.artifacts import Artifact, ArtifactStore
+from raypai.cachekey import KeyBuilder, cache_key, explain_miss
 from raypai.dsl import DAG, StepOutput, canonical
 from raypai.errors import PipelineError
 from raypai.settings import Settings
@@ -172,20 +174,25 @@ class Runner:
     def _inputs(self, dag: DAG, node: str, results: dict) -> dict:
         return {k: _resolve(v, results) for k, v in dag.nodes[node].args.items()}
 
-    def cache_key(self, dag: DAG, node: str, inputs: dict) -> str:
-        spec = dag.nodes[node].step
-        h = hashlib.sha256()
-        h.update(spec.identity.encode() + b"\0" + spec.source_hash.encode() + b"\0")
-        h.update(canonical({k: _digest_view(v) for k, v in sorted(inputs.items())}).encode())
-        return h.hexdigest()
+    def cache_components(self, run_id: str, dag: DAG, node: str, inputs: dict) -> dict:
+        """What the step call's cache key is made of (raypai.cachekey): step source, inputs, the code
+        of the project modules it imports, library and raypai versions. Module closures are shared
+        by the steps of one run."""
+        if getattr(self, "_keys_run", None) != run_id:
+            self._keys_run, self._keys = run_id, KeyBuilder()
+        return self._keys.components(dag.nodes[node].step, {k: _digest_view(v) for k, v in inputs.items()})
 
     def _start(self, run_id, dag, node, results, mlflow_parent, origin_run_id):
         spec = dag.nodes[node].step
         inputs = self._inputs(dag, node, results)
-        key = self.cache_key(dag, node, inputs)
+        parts = self.cache_components(run_id, dag, node, inputs)
+        key = cache_key(parts)
         params = {k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)}
-        srid = self.store.create_step_run(run_id, node, spec.identity, params, key)
-        hit = self._cache_lookup(key, spec.cache or origin_run_id is not None)
+        hit, reason = self._cache_lookup(key, spec.cache or origin_run_id is not None, spec.cache_check)
+        if reason is None:
+            reason = self._explain_miss(dag, node, parts, params)
+        srid = self.store.create_step_run(run_id, node, spec.identity, params, key, cache_components=parts,
+                                          cache_reason=reason)
         if hit is not None:
             src = hit["step_run"]
             for name, art in hit["outputs"].items():
@@ -202,15 +209,33 @@ class Runner:
         self.progress({"event": "step_started", "node": node})
         return ref, srid
 
-    def _cache_lookup(self, key: str, allowed: bool) -> dict | None:
+    def _cache_lookup(self, key: str, allowed: bool, check=None) -> tuple[dict | None, str | None]:
+        """(the reusable earlier step run or None, why; None when a miss is still to be explained)."""
         if not allowed:
-            return None
+            return None, "cache off: the step is declared with cache=False"
         hit = self.store.find_cached(key)
         if hit is None:
-            return None
+            return None, None
+        src = hit["step_run"]
         if not all(_present(self.artifacts, a) for a in hit["outputs"].values()):
-            return None  # outputs deleted from the store (or raw sources moved): run again
-        return hit
+            # outputs deleted from the store (or raw sources moved): run again
+            return None, (f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
+                          "outputs are gone from the artifact store (or its raw source moved)")
+        if check is not None:
+            stale = check((src.get("result") or {}).get("value"), self.store)
+            if stale:
+                return None, (f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but "
+                              f"{stale}")
+        return hit, f"cache hit: same key as run {src['run_id'][:8]} step {src['node']}"
+
+    def _explain_miss(self, dag: DAG, node: str, parts: dict, params: dict) -> str:
+        before = self.store.last_keyed_step_run(parts["step"], pipeline=dag.pipeline, node=node)
+        if before is None:
+            return "cache miss: no earlier run of this step recorded its key"
+        why = explain_miss(parts, before["cache_components"], params_now=params, params_before=before["params"])
+        why = why[:4] + ([f"{len(why) - 4} more differences"] if len(why) > 4 else [])
+        text = "; ".join(why) or "the key is unchanged, but no succeeded run with it is on record"
+        return f"cache miss: {text} (compared with run {before['run_id'][:8]} step {before['node']})"
 
     def _submit(self, run_id, dag, node, srid, attempt, results, mlflow_parent):
         import ray
@@ -225,7 +250,8 @@ class Runner:
         if spec.resources:
             opts["resources"] = spec.resources
         payload = {"settings": self.settings, "run_id": run_id, "step_run_id": srid, "node": node,
-                   "pipeline": dag.pipeline, "attempt": attempt, "mlflow_parent": mlflow_parent}
+                   "pipeline": dag.pipeline, "attempt": attempt, "mlflow_parent": mlflow_parent,
+                   "cache_key": self.store.get_step_run(srid)["cache_key"]}
         return _remote_execute().options(**opts).remote(payload, spec, inputs)
 
     def _skip(self, run_id, dag, node) -> StepResult:
@@ -255,7 +281,7 @@ def _execute_step_impl(payload: dict, spec, inputs: dict) -> dict:
     logger = tracker.logger(mlflow_run)
     ctx = StepContext(settings, payload["run_id"], srid, payload["node"], payload["pipeline"], store,
                       ArtifactStore(settings.artifact_uri, cache_dir=settings.home / "cache"), tracker, logger,
-                      attempt=payload["attempt"])
+                      attempt=payload["attempt"], cache_key=payload.get("cache_key"))
     try:
         logger.log_params({k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)})
         for pname, art in _artifacts_in(inputs):

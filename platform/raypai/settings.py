@@ -40,6 +40,9 @@ class Settings:
     ray_num_cpus: int | None = None
     # Serve HTTP port pinned by the user; None: raypai.runtime picks one (8000 when free) and records it.
     serve_port: int | None = None
+    # Address Serve's HTTP proxy binds: loopback by default; 0.0.0.0 where a load balancer or a
+    # Kubernetes Service must reach it (infra/k8s sets it).
+    serve_host: str = "127.0.0.1"
     dashboard: bool = True  # a local Ray started by raypai runs the Ray dashboard
     extra: dict = field(default_factory=dict)
 
@@ -65,6 +68,7 @@ class Settings:
         ray_address = pick("RAY_ADDRESS", "ray_address", None)
         num_cpus_raw = pick("RAYPAI_RAY_NUM_CPUS", "ray_num_cpus", None)
         serve_port_raw = pick("RAYPAI_SERVE_PORT", "serve_port", None)
+        serve_host = str(pick("RAYPAI_SERVE_HOST", "serve_host", "127.0.0.1")).strip()
         dashboard_raw = env.get("RAYPAI_DASHBOARD") or file_values.get("dashboard", "1")  # a toml `false` is falsy
         dashboard_raw = {True: "1", False: "0"}.get(dashboard_raw, str(dashboard_raw)).strip().lower()
 
@@ -105,6 +109,9 @@ class Settings:
             except ValueError:
                 problems.append(f"RAYPAI_SERVE_PORT={serve_port_raw!r}: must be a TCP port (1-65535); unset it "
                                 "to let raypai pick a free one")
+        if not serve_host or any(c.isspace() or c in "/:" for c in serve_host.strip("[]")):
+            problems.append(f"RAYPAI_SERVE_HOST={serve_host!r}: expected an address to bind, e.g. 127.0.0.1 "
+                            "(this machine only) or 0.0.0.0 (every interface)")
         dashboard = dashboard_raw in ("1", "true", "yes", "on")
         if dashboard_raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             problems.append(f"RAYPAI_DASHBOARD={dashboard_raw!r}: use 1 (start the Ray dashboard) or 0 (skip it)")
@@ -124,6 +131,7 @@ class Settings:
             ray_address=ray_address,
             ray_num_cpus=num_cpus,
             serve_port=serve_port,
+            serve_host=serve_host,
             dashboard=dashboard,
         )
 
@@ -146,6 +154,8 @@ class Settings:
             env["RAYPAI_RAY_NUM_CPUS"] = str(self.ray_num_cpus)
         if self.serve_port:
             env["RAYPAI_SERVE_PORT"] = str(self.serve_port)
+        if self.serve_host != "127.0.0.1":
+            env["RAYPAI_SERVE_HOST"] = self.serve_host
         if not self.dashboard:
             env["RAYPAI_DASHBOARD"] = "0"
         return env

@@ -90,6 +90,20 @@ class RunLogger:
         self.client.log_inputs(self.run_id, datasets=[DatasetInput(ds, tags)])
 
 
+# Set on every model version raypai registers: the way back from the registry to raypai's lineage.
+ARTIFACT_TAG = "raypai.artifact_id"
+
+
+def lineage_tags(model, *, run_id: str, step_run_id: str, pipeline: str, inputs: dict) -> dict:
+    """Registry tags of a model version: its artifact (id, digest), the run and step run that made it,
+    and each input artifact (kind:digest prefix and id)."""
+    tags = {ARTIFACT_TAG: model.id, "raypai.digest": model.digest, "raypai.run_id": run_id,
+            "raypai.step_run_id": step_run_id, "raypai.pipeline": pipeline}
+    tags.update({f"raypai.input.{k}": f"{a.kind}:{a.digest[:16]}" for k, a in inputs.items() if a is not None})
+    tags.update({f"raypai.input.{k}.artifact_id": a.id for k, a in inputs.items() if a is not None})
+    return tags
+
+
 class Tracker:
     """Experiments, runs and the model registry of one MLflow tracking URI."""
 

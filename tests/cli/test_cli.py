@@ -79,3 +79,35 @@ def test_doctor_reports_every_check(cli):
     for check in ("stdlib platform not shadowed", "metadata database", "MLflow tracking", "ray", "deepspeed",
                   "ray runtime", "default ports"):
         assert check in out.stdout
+
+
+def test_a_broken_sub_command_module_stops_the_cli_loudly(tmp_path):
+    """A temporary copy of serving/cli.py with a broken import stands in for the real one: `raypai
+    --help` fails, naming the module and the cause, instead of dropping `raypai deploy` silently."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import raypai.serving
+
+    broken = tmp_path / "cli.py"
+    source = (Path(raypai.serving.__file__).parent / "cli.py").read_text()
+    assert "\nimport json\n" in source
+    broken.write_text(source.replace("\nimport json\n", "\nimport json\nimport raypai_no_such_module  # broken\n", 1))
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import importlib.abc, importlib.util, sys\n"
+        "class Copy(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        return importlib.util.spec_from_file_location(name, {str(broken)!r}) "
+        "if name == 'raypai.serving.cli' else None\n"
+        "sys.meta_path.insert(0, Copy())\n"
+        "sys.argv = ['raypai', '--help']\n"
+        "from raypai.cli import main\n"
+        "main()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, out.stdout
+    assert "`raypai deploy` cannot be loaded: importing raypai.serving.cli failed" in out.stderr, out.stderr
+    assert "raypai_no_such_module" in out.stderr and "Traceback" in out.stderr
+    ok = subprocess.run([sys.executable, "-m", "raypai.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "deploy" in ok.stdout  # the real module mounts

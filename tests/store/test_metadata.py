@@ -147,3 +147,22 @@ def test_concurrent_writers_from_ray_tasks_lose_nothing(db_url):
         ray.shutdown()
     assert len(set(sids)) == 8
     assert sum(len(store.outputs_of(s)) for s in sids) == 8 * per_worker
+
+
+def test_cache_components_and_the_run_a_miss_is_explained_against(db_url):
+    store = MetadataStore(db_url)
+    step = f"m{uuid.uuid4().hex[:6]}:clean"
+    parts = {"v": 1, "step": step, "code": {"m": "d1"}}
+    a = store.create_run("pipe_a", {})
+    mine = store.create_step_run(a, "clean", step, {"n": 1}, "k1", cache_components=parts,
+                                 cache_reason="cache miss: no earlier run of this step recorded its key")
+    store.transition(mine, "succeeded")
+    failed = store.create_step_run(store.create_run("pipe_a", {}), "clean", step, {}, "k2", cache_components=parts)
+    store.transition(failed, "failed")  # failed runs are not what a key is compared with
+    other = store.create_step_run(store.create_run("pipe_b", {}), "clean_2", step, {}, "k3", cache_components=parts)
+    store.transition(other, "cached")  # newer, but another pipeline's node
+    got = store.get_step_run(mine)
+    assert got["cache_components"] == parts and got["cache_reason"].startswith("cache miss: no earlier")
+    assert store.last_keyed_step_run(step, pipeline="pipe_a", node="clean")["id"] == mine
+    assert store.last_keyed_step_run(step, pipeline="pipe_c", node="clean")["id"] == other  # newest otherwise
+    assert store.last_keyed_step_run("m:absent", pipeline="pipe_a", node="clean") is None

@@ -45,7 +45,9 @@ def _store():
     return MetadataStore(_settings().database_url)
 
 
-def _parse_params(params: list[str]) -> dict:
+def parse_params(params: list[str]) -> dict:
+    """`--param KEY=VALUE` strings as a dict (values as written; the pipeline's typed parameters
+    convert them). Public for pipeline files with a `main()` of their own."""
     out = {}
     for p in params:
         if "=" not in p:
@@ -55,7 +57,8 @@ def _parse_params(params: list[str]) -> dict:
     return out
 
 
-def _finish(result) -> None:
+def finish_run(result) -> None:
+    """Print a run's summary table and any failure; exit 1 (with the resume command) if it failed."""
     console.print(summary_table(result))
     if result.mlflow_run_id:
         console.print(f"MLflow parent run: [bold]{result.mlflow_run_id}[/]  ·  details: raypai show {result.run_id[:12]}")
@@ -78,9 +81,9 @@ def run(target: str = typer.Argument(..., help="FILE.py[:PIPELINE] or package.mo
     from raypai.runner import Runner
 
     pipe = load_pipeline(target)
-    dag = pipe.build(**_parse_params(param))
+    dag = pipe.build(**parse_params(param))
     result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(dag, source_file=_target_file(target))
-    _finish(result)
+    finish_run(result)
 
 
 def _target_file(target: str) -> str:
@@ -106,7 +109,7 @@ def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or
     console.print(f"resuming run {origin['id'][:12]} ({origin['state']}) of {origin['pipeline']}")
     result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(dag, origin_run_id=origin["id"],
                                                                                 source_file=source)
-    _finish(result)
+    finish_run(result)
 
 
 @app.command()
@@ -116,8 +119,11 @@ def runs(limit: int = 20, pipeline: Optional[str] = None):
 
 
 @app.command()
-def show(run_id: str, openlineage: bool = typer.Option(False, help="print the run as OpenLineage events (JSON)")):
-    """Show one run: its steps, states, errors, outputs."""
+def show(run_id: str, openlineage: bool = typer.Option(False, help="print the run as OpenLineage events (JSON)"),
+         key: bool = typer.Option(False, "--key", help="also print what each step's cache key is made of")):
+    """Show one run: its steps, states, why each was or was not a cache hit, errors, outputs."""
+    from rich.markup import escape
+
     from raypai.lineage import openlineage_events
 
     store = _store()
@@ -125,16 +131,22 @@ def show(run_id: str, openlineage: bool = typer.Option(False, help="print the ru
     if openlineage:
         print(json.dumps(openlineage_events(store, r["id"]), indent=1))
         return
-    console.print(f"[bold]run {r['id']}[/] of {r['pipeline']}: {r['state']}  params={json.dumps(r['params'])}")
+    console.print(f"[bold]run {r['id']}[/] of {r['pipeline']}: {r['state']}  params={escape(json.dumps(r['params']))}")
     if r["origin_run_id"]:
         console.print(f"resumed from {r['origin_run_id']}")
     steps = store.step_runs(r["id"])
     console.print(steps_table(steps))
     for s in steps:
+        if s["cache_reason"]:
+            console.print(f"  {s['node']}: {escape(s['cache_reason'])}", soft_wrap=True)  # one line per step, never wrapped
+    for s in steps:
+        if key and s["cache_components"]:
+            console.print(f"[bold]{s['node']}[/] cache key {s['cache_key']}:\n"
+                          f"[dim]{escape(json.dumps(s['cache_components'], indent=1))}[/]")
         for name, a in store.outputs_of(s["id"]).items():
             console.print(f"  {s['node']} → {name}: {a.kind} {a.name} [dim]{a.id}[/]")
         if s["traceback"]:
-            console.print(f"[red]{s['node']} traceback:[/]\n[dim]{s['traceback'].strip()[-3000:]}[/]")
+            console.print(f"[red]{s['node']} traceback:[/]\n[dim]{escape(s['traceback'].strip()[-3000:])}[/]")
 
 
 @app.command()
@@ -294,7 +306,8 @@ def db_current():
     console.print(current_revision(MetadataStore(_settings().database_url, migrate_schema=False).engine) or "(empty)")
 
 
-# Commands contributed by the packages (each owns its module; mounted here by name).
+# Commands contributed by the packages (each owns its module; mounted here). A module that fails to
+# import stops the CLI with its name and the cause: a command never vanishes silently.
 _MOUNTS = [
     ("raypai.data.cli", "app", "data", "typer"),
     ("raypai.train.cli", "train_command", "train", "command"),
@@ -308,12 +321,18 @@ _MOUNTS = [
 ]
 
 
+class CommandImportError(RaypaiError, ImportError):
+    """A sub-command's module is broken (raised while the CLI starts, with the original as cause)."""
+
+
 def _mount() -> None:
     for module, attr, name, kind in _MOUNTS:
         try:
             obj = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            continue  # that package's CLI is not installed in this build
+        except Exception as exc:
+            raise CommandImportError(
+                f"`raypai {name}` cannot be loaded: importing {module} failed ({type(exc).__name__}: {exc}). "
+                f"Fix {module} (traceback above) or reinstall raypai (`make install`)") from exc
         if kind == "typer":
             app.add_typer(obj, name=name)
         else:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy import and_, case, create_engine, event, func, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -168,11 +168,13 @@ class MetadataStore:
 
     # ---- step runs -----------------------------------------------------------------------------
 
-    def create_step_run(self, run_id: str, node: str, step_name: str, params: dict, cache_key: str | None) -> str:
+    def create_step_run(self, run_id: str, node: str, step_name: str, params: dict, cache_key: str | None, *,
+                        cache_components: dict | None = None, cache_reason: str | None = None) -> str:
         sid = uuid.uuid4().hex
         with self.session() as s:
             s.add(m.StepRun(id=sid, run_id=run_id, node=node, step_name=step_name, params=params,
-                            cache_key=cache_key, state="pending"))
+                            cache_key=cache_key, cache_components=cache_components, cache_reason=cache_reason,
+                            state="pending"))
             s.flush()
             s.add(m.StepRunEvent(step_run_id=sid, state="pending"))
         return sid
@@ -222,6 +224,20 @@ class MetadataStore:
             if sr is None:
                 return None
             return {"step_run": _step_dict(sr), "outputs": self._edges(s, m.StepOutput, sr.id)}
+
+    def last_keyed_step_run(self, step_name: str, *, pipeline: str, node: str) -> dict | None:
+        """The latest finished (succeeded or cached) run of step `step_name` that recorded its cache
+        key's components, preferring the same node of the same pipeline: what a cache miss is
+        explained against."""
+        same = case((and_(m.Pipeline.name == pipeline, m.StepRun.node == node), 1), else_=0)
+        with self.session() as s:
+            q = (select(m.StepRun, m.Pipeline.name)
+                 .join(m.PipelineRun, m.PipelineRun.id == m.StepRun.run_id).join(m.Pipeline)
+                 .where(m.StepRun.step_name == step_name, m.StepRun.state.in_(("succeeded", "cached")),
+                        m.StepRun.cache_components.is_not(None))
+                 .order_by(same.desc(), m.StepRun.finished_at.desc()).limit(1))
+            row = s.execute(q).first()
+            return {**_step_dict(row[0]), "pipeline": row[1]} if row else None
 
     # ---- artifacts and edges -------------------------------------------------------------------
 
@@ -346,6 +362,39 @@ class MetadataStore:
                 row.history = [*row.history, entry][-50:]
             return _deployment(row)
 
+    def record_canary_check(self, name: str, stable_version: int, canary_version: int, decision: str, reason: str,
+                            stats: dict, action: str = "none") -> dict:
+        with self.session() as s:
+            row = m.CanaryCheck(deployment=name, stable_version=stable_version, canary_version=canary_version,
+                                decision=decision, reason=reason, stats=stats, action=action)
+            s.add(row)
+            s.flush()
+            return _canary_check(row)
+
+    def latest_canary_check(self, name: str, canary_version: int) -> dict | None:
+        with self.session() as s:
+            row = s.scalars(select(m.CanaryCheck).where(m.CanaryCheck.deployment == name,
+                                                        m.CanaryCheck.canary_version == canary_version)
+                            .order_by(m.CanaryCheck.id.desc()).limit(1)).first()
+            return _canary_check(row) if row else None
+
+    def rollback_canary(self, name: str, canary_version: int, reason: str) -> bool:
+        """Take canary `canary_version` of `name` out of the desired state, if it is still the canary
+        (a concurrent promote or rollback wins); True when this call did it."""
+        with self.session() as s:
+            q = select(m.Deployment).where(m.Deployment.name == name)
+            if s.bind.dialect.name == "postgresql":
+                q = q.with_for_update()
+            row = s.scalars(q).first()
+            if row is None or row.spec.get("canary_version") != canary_version:
+                return False
+            spec = {**row.spec, "canary_version": None, "canary_percent": 0}
+            now = m.utcnow()
+            row.spec, row.updated_at = spec, now
+            row.history = [*row.history, {"at": now.isoformat(), "state": row.state, "spec": spec,
+                                          "event": f"canary v{canary_version} rolled back automatically: {reason}"}][-50:]
+            return True
+
     def get_deployment(self, name: str) -> DeploymentRecord | None:
         with self.session() as s:
             row = s.get(m.Deployment, name)
@@ -389,6 +438,11 @@ def _artifact(r: m.ArtifactRow) -> Artifact:
     return Artifact(r.id, r.kind, r.name, r.uri, r.digest, r.size_bytes, dict(r.meta or {}), r.producer_step_run_id)
 
 
+def _canary_check(r: m.CanaryCheck) -> dict:
+    return {c: getattr(r, c) for c in ("id", "deployment", "stable_version", "canary_version", "decision", "reason",
+                                       "stats", "action", "at")}
+
+
 def _deployment(r: m.Deployment) -> DeploymentRecord:
     return DeploymentRecord(r.name, dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at)
 
@@ -401,6 +455,6 @@ def _run_dict(r: m.PipelineRun, pipeline: str) -> dict:
 
 def _step_dict(r: m.StepRun) -> dict:
     return {c: getattr(r, c) for c in ("id", "run_id", "node", "step_name", "state", "params", "cache_key",
-                                       "cache_hit", "cached_from", "attempt", "mlflow_run_id", "ray_task_id",
-                                       "ray_node_id", "error", "traceback", "result", "metrics",
-                                       "started_at", "finished_at")}
+                                       "cache_hit", "cached_from", "cache_components", "cache_reason", "attempt",
+                                       "mlflow_run_id", "ray_task_id", "ray_node_id", "error", "traceback",
+                                       "result", "metrics", "started_at", "finished_at")}

@@ -50,6 +50,9 @@ class StepRun(Base):
     cache_key: Mapped[str | None] = mapped_column(String(64), index=True)
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
     cached_from: Mapped[str | None] = mapped_column(String(32))
+    # what the cache key was made of (raypai.cachekey) and why the step was or was not a hit
+    cache_components: Mapped[dict | None] = mapped_column(JSON(none_as_null=True))
+    cache_reason: Mapped[str | None] = mapped_column(Text)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     ray_task_id: Mapped[str | None] = mapped_column(String(64))
@@ -126,6 +129,22 @@ class Deployment(Base):
     history: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CanaryCheck(Base):
+    """One verdict of the router on a canary (raypai.serving.canary): the measured traffic of both
+    versions, the decision, and what was done about it."""
+
+    __tablename__ = "canary_checks"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str] = mapped_column(String(200), index=True)
+    stable_version: Mapped[int] = mapped_column(Integer)
+    canary_version: Mapped[int] = mapped_column(Integer)
+    decision: Mapped[str] = mapped_column(String(32))  # healthy | worse | insufficient
+    reason: Mapped[str] = mapped_column(Text)
+    stats: Mapped[dict] = mapped_column(JSON, default=dict)  # {"stable": {...}, "canary": {...}, "policy": {...}}
+    action: Mapped[str] = mapped_column(String(32), default="none")  # none | rolled_back
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ApiToken(Base):
