@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install test demo demo-stop bench clean
+.PHONY: install test test-floor demo demo-stop bench clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,33 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 
 install: $(STAMP)
 
+# The PostgreSQL tests use RAYPAI_TEST_DATABASE_URL; when it is unset and the local server answers
+# (trust auth, database `test`), it is set to that server. Otherwise they are skipped, and pytest's
+# summary says so in red.
+PG_TEST_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
+TESTS ?= tests
+# Test files run on this many processes (pytest-xdist, a whole file per process so module fixtures
+# are built once). Much of a test's time is waiting on Ray start-up, Serve and subprocesses, so two
+# processes finish sooner even on two cores (25% less wall time measured here). TEST_WORKERS=0: one.
+TEST_WORKERS ?= 2
+PG_PROBE := import psycopg, sys; psycopg.connect(sys.argv[1].replace("+psycopg", ""), connect_timeout=3).close()
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q --durations=25
+	@if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE)' '$(PG_TEST_URL)' 2>/dev/null; then \
+		echo "PostgreSQL answers at $(PG_TEST_URL): RAYPAI_TEST_DATABASE_URL set for the tests"; \
+		export RAYPAI_TEST_DATABASE_URL='$(PG_TEST_URL)'; \
+	fi; \
+	$(BIN)/python -m pytest $(TESTS) -q --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
+# The oldest transformers pyproject allows (4.54: the engine's `cache.layers`), laid over the venv
+# in a separate folder, with the tests of the code that uses transformers' generation and chat APIs.
+FLOOR_DIR ?= /tmp/raypai-transformers-floor
+test-floor: $(STAMP)
+	PIP_CONSTRAINT= $(BIN)/pip install -q --no-deps --target $(FLOOR_DIR) "transformers==4.54.1" "tokenizers>=0.21,<0.22" "huggingface-hub<1.0"
+	PYTHONPATH=$(FLOOR_DIR) $(BIN)/python -c 'import transformers; print("transformers", transformers.__version__)'
+	PYTHONPATH=$(FLOOR_DIR) $(BIN)/python -m pytest -q tests/serving/test_generation.py tests/alignment/test_data.py \
+		tests/alignment/test_losses.py tests/alignment/test_evaluate.py \
+		--deselect tests/alignment/test_data.py::test_formats_and_sources  # `datasets` needs a newer hub
 
 # A persistent local Ray head (so the deployed endpoint outlives the pipeline driver), on free
 # ports recorded in $RAYPAI_HOME/runtime.json; a second `make demo` reuses it. demo-stop stops that

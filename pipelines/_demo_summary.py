@@ -13,9 +13,19 @@ def _f(x, digits: int = 2) -> str:
     return "n/a" if not isinstance(x, (int, float)) else f"{x:.{digits}f}"
 
 
-def print_summary(settings, result) -> None:
+def demo_token(settings, result) -> str | None:
+    """An inference token for the demo's endpoint (shown once by print_summary), when it deployed.
+    A separate call, not a side effect of printing: `make demo` asks for one explicitly."""
     from raypai.store import MetadataStore
 
+    dep = result.result if isinstance(result.result, dict) else {}
+    if not result.ok or not dep.get("deployed", True):
+        return None
+    return MetadataStore(settings.database_url).create_token(f"demo-{uuid.uuid4().hex[:6]}", ["infer"])
+
+
+def print_summary(settings, result, token: str | None = None) -> None:
+    """Endpoint, how to query it (with `token` when given), where to look. Writes nothing."""
     dep = result.result if isinstance(result.result, dict) else {}
     if not dep.get("deployed", True):
         console.print(Panel(f"[bold]not deployed[/]: {dep.get('reason')}\n(registered as {dep.get('model')} version "
@@ -24,8 +34,7 @@ def print_summary(settings, result) -> None:
         return
     name = dep.get("deployment", "tinychat")
     endpoint = dep.get("endpoint", "http://127.0.0.1:8000/v1")
-    store = MetadataStore(settings.database_url)
-    token = store.create_token(f"demo-{uuid.uuid4().hex[:6]}", ["infer"])
+    token = token or "$RAYPAI_INFER_TOKEN"  # `raypai token create NAME --scope infer` makes one
     ev = result.steps.get("evaluate")
     metrics = ev.value if ev is not None and isinstance(ev.value, dict) else {}
     base = result.steps.get("pretrain")

@@ -79,7 +79,7 @@ def main() -> None:
     """`python -m raypai.pipelines.finetune [--param k=v ...]`: the example inputs under RAYPAI_HOME, then the run."""
     import sys
 
-    from raypai.cli.main import _finish, _parse_params
+    from raypai.cli.main import finish_run, parse_params
     from raypai.cli.render import Progress
     from raypai.runner import Runner
     from raypai.settings import Settings
@@ -87,8 +87,8 @@ def main() -> None:
     settings = Settings.load()
     params = {**example_inputs(settings.home / "examples" / "finetune"),
               "sft_config": {"steps": 300, "lr": 3e-3}, "align_config": {"steps": 30},
-              **_parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")])}
-    _finish(Runner(settings, progress=Progress()).run(finetune.build(**params), source_file=__file__))
+              **parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")])}
+    finish_run(Runner(settings, progress=Progress()).run(finetune.build(**params), source_file=__file__))
 
 
 if __name__ == "__main__":

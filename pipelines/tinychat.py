@@ -79,20 +79,20 @@ def main() -> None:
     """`python -m raypai.pipelines.tinychat [--param k=v ...]`: run, then print how to use the result."""
     import sys
 
-    from raypai.cli.main import _finish, _parse_params
-    from raypai.cli.render import Progress, console
-    from raypai.pipelines._demo_summary import print_summary
+    from raypai.cli.main import finish_run, parse_params
+    from raypai.cli.render import Progress
+    from raypai.pipelines._demo_summary import demo_token, print_summary
     from raypai.runner import Runner
     from raypai.settings import Settings
 
-    params = _parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")])
+    params = parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")])
     settings = Settings.load()
     result = Runner(settings, progress=Progress()).run(tinychat.build(**params), source_file=__file__)
     try:
-        _finish(result)
+        finish_run(result)
     finally:
         if result.ok:
-            print_summary(settings, result)
+            print_summary(settings, result, token=demo_token(settings, result))
 
 
 if __name__ == "__main__":
