@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/pretrain.py                 # ≈ 8 min on 2 cores; one JSON line per result
     .venv/bin/python benchmarks/pretrain.py --steps 40 --ckpt-model-hidden 512
     .venv/bin/python benchmarks/pretrain.py --grad-accum 4 --skip-checkpoint   # 4 micro-batches per step, both sides
+    .venv/bin/python benchmarks/pretrain.py --only-streaming   # token set 4 × the object store, streamed
 
 Results (baselines measured in the same run):
 - `bare_loop`: a single-process PyTorch loop (same model, micro-batch, AdamW, clipping, schedule,
@@ -15,6 +16,11 @@ Results (baselines measured in the same run):
   per-core ratio to the bare loop (target ≥ 0.9) and the 1 → 2 worker scaling efficiency.
 - `checkpoint_stall`: seconds the loop is blocked per checkpoint with asynchronous vs synchronous
   saving (target: async ≤ 10% of sync), on a larger model so the state is worth writing.
+- `stream_reads`: milliseconds to read one micro-batch of random blocks from the shard files
+  (`TokenShards`, what each worker does) against indexing blocks already in memory.
+- `stream_run`: a 2-worker run on a token set `--stream-factor` × Ray's smallest object store
+  (Ray restarted with that store): tokens/s against the in-memory bare loop measured just before,
+  and the peak memory growth of the driver and of each worker's loop against the token set's size.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from raypai.train import ModelConfig, PretrainConfig, build_model, pretrain  # noqa: E402
-from raypai.train.data import load_blocks  # noqa: E402
+from raypai.train._faults import ENV as FAULTS_ENV  # noqa: E402
+from raypai.train._faults import Faults  # noqa: E402
+from raypai.train.data import BlockOrder, TokenShards, load_blocks  # noqa: E402
 from raypai.train.model import measure_peak_flops  # noqa: E402
 from raypai.train.schedule import lr_multiplier  # noqa: E402
 from raypai.train.synthetic import write_token_shards  # noqa: E402
@@ -117,6 +125,9 @@ def main() -> None:
     ap.add_argument("--skip-checkpoint", action="store_true", help="throughput only, no checkpoint-stall runs")
     ap.add_argument("--only-checkpoint", action="store_true", help="checkpoint-stall runs only")
     ap.add_argument("--deepspeed", default="{}", help="JSON merged over raypai's DeepSpeed config (raypai runs only)")
+    ap.add_argument("--skip-streaming", action="store_true", help="no run on a token set larger than the object store")
+    ap.add_argument("--only-streaming", action="store_true", help="the streaming reads and run only")
+    ap.add_argument("--stream-factor", type=float, default=4.0, help="token set / Ray's smallest object store")
     args = ap.parse_args()
 
     import ray
@@ -138,15 +149,18 @@ def main() -> None:
               "threads_per_worker": 1,
               "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        if not args.only_checkpoint:
-            stages = [int(x) for x in args.zero_stages.split(",")]
-            throughput(base, stages, common, shards, tokens, work)
-        if not args.skip_checkpoint:
-            checkpoint_stall(args, base, model, shards, work)
-    finally:
-        ray.shutdown()
+    if not args.only_streaming:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            if not args.only_checkpoint:
+                stages = [int(x) for x in args.zero_stages.split(",")]
+                throughput(base, stages, common, shards, tokens, work)
+            if not args.skip_checkpoint:
+                checkpoint_stall(args, base, model, shards, work)
+        finally:
+            ray.shutdown()
+    if not args.skip_streaming and not args.only_checkpoint:
+        streaming(args, base, common, tokens, work)
 
 
 def throughput(base: PretrainConfig, stages: list[int], common: dict, shards: Path, tokens: np.ndarray,
@@ -204,6 +218,73 @@ def checkpoint_stall(args, base: PretrainConfig, model: ModelConfig, shards: Pat
           "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
           "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
           "storage": "local disk (RunConfig.storage_path)", "load_avg_1m": os.getloadavg()[0]})
+
+
+def _status_bytes(key: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def streaming(args, base: PretrainConfig, common: dict, tokens: np.ndarray, work: Path) -> None:
+    """Random block reads from shard files vs in memory, then a 2-worker ZeRO-0 run on a token set
+    larger than Ray's object store (Ray started with its smallest one), with memory peaks."""
+    import ray
+    from ray._private.ray_constants import OBJECT_STORE_MINIMUM_MEMORY_BYTES as store_bytes
+
+    block = tokens.shape[1]
+    train_blocks = int(args.stream_factor * store_bytes / (block * 4)) + 1
+    big = work / "big-shards"
+    t0 = time.perf_counter()
+    manifest = write_token_shards(big, vocab=2048, block=block, blocks=train_blocks + 64,
+                                  eval_fraction=64.5 / (train_blocks + 64))
+    write_s = time.perf_counter() - t0
+    token_bytes = manifest["num_tokens"] * 4
+    disk = sum(f.stat().st_size for f in big.glob("*.parquet"))
+
+    shards = TokenShards(big, "train")
+    order = BlockOrder(len(shards), seed=1)
+    batches = [order.indices(s, 0, 0, 2, base.micro_batch, 1) for s in range(300)]
+    t0 = time.perf_counter()
+    for idx in batches:
+        shards.take(idx)
+    stream_ms = (time.perf_counter() - t0) / len(batches) * 1e3
+    mem_order = BlockOrder(len(tokens), seed=1)
+    mem_batches = [mem_order.indices(s, 0, 0, 2, base.micro_batch, 1) for s in range(300)]
+    t0 = time.perf_counter()
+    for idx in mem_batches:
+        np.ascontiguousarray(tokens[idx])
+    memory_ms = (time.perf_counter() - t0) / len(mem_batches) * 1e3
+    emit({"bench": "pretrain", "result": "stream_reads", "ms_per_micro_batch": round(stream_ms, 3),
+          "in_memory_ms_per_micro_batch": round(memory_ms, 4), "blocks_per_s": round(base.micro_batch / stream_ms * 1e3),
+          "micro_batch": base.micro_batch, "block": block, "train_blocks": len(shards),
+          "token_set_mib": round(token_bytes / 2**20), "parquet_mib": round(disk / 2**20),
+          "write_s": round(write_s, 1), "load_avg_1m": os.getloadavg()[0]})
+
+    cfg = replace(base, zero_stage=0, workers=2)
+    bare = bare_loop(cfg, tokens)
+    trace = work / "stream-trace"
+    trace.mkdir()
+    os.environ[FAULTS_ENV] = Faults(trace_dir=str(trace)).to_env()  # the workers record their memory peaks
+    ray.init(address="local", num_cpus=4, object_store_memory=store_bytes, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        rss0 = _status_bytes("VmRSS")
+        m = raypai_run(cfg, big, work, "stream")
+        driver_growth = _status_bytes("VmHWM") - rss0
+    finally:
+        ray.shutdown()
+        os.environ.pop(FAULTS_ENV)
+    workers = [json.loads((trace / f"memory-rank{r}.json").read_text()) for r in range(2)]
+    emit({"bench": "pretrain", "result": "stream_run", "zero_stage": 0, "workers": 2,
+          "object_store_mib": round(store_bytes / 2**20), "token_set_mib": round(token_bytes / 2**20),
+          "tokens_per_s": round(m["tokens_per_s_steady"], 1), "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+          "bare_loop_in_memory_tokens_per_s": round(bare["mean"], 1),
+          "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / 2 / bare["mean"], 3),
+          "driver_peak_growth_mib": round(driver_growth / 2**20, 1),
+          "worker_loop_peak_growth_mib": [round((w["peak_rss"] - w["rss_at_start"]) / 2**20, 1) for w in workers],
+          "worker_peak_rss_mib": [round(w["peak_rss"] / 2**20) for w in workers],
+          "eval_loss": round(m["eval_loss"], 3), **common})
 
 
 if __name__ == "__main__":

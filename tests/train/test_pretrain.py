@@ -65,7 +65,8 @@ def reference(ray_train, big_shards, tokenizer_dir, tmp_path_factory):
             log = FileLogger(tmp / "metrics.jsonl")
             res = pretrain(folder, tokenizer_dir, tmp / "model", _cfg(zero_stage=stage), name=f"zero{stage}",
                            storage_path=tmp / "store", logger=log)
-            out[stage] = {"result": res, "rows": log.read(), "trace": _trace(tmp / "trace"), "model": tmp / "model"}
+            out[stage] = {"result": res, "rows": log.read(), "trace": _trace(tmp / "trace"), "model": tmp / "model",
+                          "store": tmp / "store"}
     return out
 
 
@@ -95,6 +96,20 @@ def test_two_worker_zero2_learns_below_unigram_entropy_and_exports_for_transform
     assert info["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"])
     assert (ref["model"] / "model.safetensors").exists() and (ref["model"] / "generation_config.json").exists()
     assert torch.isfinite(model(**x).logits).all()
+
+
+def test_a_finished_run_called_again_returns_its_final_metrics(reference, big_shards, tokenizer_dir, tmp_path):
+    """A run resumed at its last step (pretrain called again by name, or Ray Train restarting the
+    worker group after the final report) trains no step: its result still carries the finished
+    run's loss and eval loss, not an empty window."""
+    folder, _ = big_shards
+    ref = reference[0]["result"]["metrics"]
+    res = pretrain(folder, tokenizer_dir, tmp_path / "model", _cfg(zero_stage=0), name="zero0",
+                   storage_path=reference[0]["store"])
+    assert res["metrics"]["step"] == STEPS
+    assert res["metrics"]["loss"] == ref["loss"] and res["metrics"]["eval_loss"] == ref["eval_loss"]
+    info = json.loads((tmp_path / "model" / "raypai.json").read_text())
+    assert info["metrics"]["eval_loss"] == ref["eval_loss"]
 
 
 def test_zero_stages_0_1_2_give_the_same_loss_curve(reference):

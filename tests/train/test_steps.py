@@ -3,7 +3,8 @@
 from raypai import Artifact, StepContext, pipeline, step
 from raypai.runner import Runner, tracker_for
 from raypai.store import MetadataStore
-from raypai.train.steps import ARTIFACT_TAG, pretrain
+from raypai.tracking import ARTIFACT_TAG
+from raypai.train.steps import pretrain
 
 from .conftest import make_shards, make_tokenizer
 

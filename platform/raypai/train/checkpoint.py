@@ -2,7 +2,10 @@
 
 A checkpoint folder holds DeepSpeed's files (`state/`: module weights, this rank's ZeRO optimizer
 partition, lr scheduler), one `rng-rank{r}.pt` per worker and `data_position.json` (the next
-optimizer step; with `data.BlockOrder` that step fixes every block each worker reads next).
+optimizer step; with `data.BlockOrder` that step fixes every block each worker reads next). The
+final checkpoint also holds `metrics.json`, the finished run's metrics, so that a run resumed at
+its last step (called again by name, or its worker group restarted after the final report) reports
+them again instead of an empty window.
 
 Two ways to save (`PretrainConfig.async_checkpoint`):
 - synchronous (`save`): serialize into `/dev/shm`, upload to storage, then continue training;
@@ -29,6 +32,7 @@ from raypai.errors import TrainError
 from raypai.train import _fs
 
 DATA_POSITION = "data_position.json"
+FINAL_METRICS = "metrics.json"
 TAG = "state"
 
 
@@ -64,12 +68,15 @@ def _write_small_files(folder: Path, *, next_step: int, rank: int, rng: dict | N
     (folder / DATA_POSITION).write_text(json.dumps({"next_step": next_step}))
 
 
-def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False) -> Path:
+def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False, metrics: dict | None = None) -> Path:
     """Write this worker's share of the training state into a fresh folder in memory (`/dev/shm`
-    where it exists). `with_hf`: rank 0 also writes the model as a Hugging Face folder in `hf/`."""
+    where it exists). `with_hf`: rank 0 also writes the model as a Hugging Face folder in `hf/`;
+    `metrics`: the finished run's metrics, written into the final checkpoint."""
     folder = _new_folder()
     engine.save_checkpoint(str(folder), tag=TAG)
     _write_small_files(folder, next_step=next_step, rank=rank)
+    if metrics is not None:
+        (folder / FINAL_METRICS).write_text(json.dumps(metrics, default=float))
     if with_hf and rank == 0:
         engine.module.save_pretrained(folder / "hf", safe_serialization=True)
     return folder
@@ -86,9 +93,10 @@ def _report(folder: Path, metrics: dict, next_step: int, *, upload_async: bool) 
 
 def save(engine, metrics: dict, *, next_step: int, rank: int, final: bool = False) -> float:
     """Synchronous: serialize, upload and report a checkpoint; returns the seconds the loop stalled.
-    `final` also writes the Hugging Face export (rank 0)."""
+    `final` also writes the Hugging Face export (rank 0) and the metrics (`metrics.json`)."""
     t0 = time.perf_counter()
-    _report(snapshot(engine, next_step=next_step, rank=rank, with_hf=final), metrics, next_step, upload_async=False)
+    folder = snapshot(engine, next_step=next_step, rank=rank, with_hf=final, metrics=dict(metrics) if final else None)
+    _report(folder, metrics, next_step, upload_async=False)
     return time.perf_counter() - t0
 
 
@@ -205,7 +213,7 @@ class AsyncCheckpointer:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        done = torch.tensor([0.0 if self._thread.is_alive() else 1.0])
+        done = torch.tensor([0.0 if self._thread.is_alive() else 1.0], device=self.engine.device)  # NCCL: on the GPU
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         self.stall["poll"] += time.perf_counter() - t0
         if done.item() == 1.0:
@@ -243,8 +251,9 @@ def _cuda_event():
     return event
 
 
-def restore(engine, checkpoint, rank: int) -> int:
-    """Load the state of `checkpoint` (a `ray.train.Checkpoint`) into `engine`; return the next step."""
+def restore(engine, checkpoint, rank: int) -> tuple[int, dict | None]:
+    """Load the state of `checkpoint` (a `ray.train.Checkpoint`) into `engine`; return the next step
+    and, for a final checkpoint, the finished run's metrics (None otherwise)."""
     import torch
 
     with checkpoint.as_directory() as d:
@@ -256,7 +265,8 @@ def restore(engine, checkpoint, rank: int) -> int:
         rng_file = d / f"rng-rank{rank}.pt"
         if rng_file.exists():  # absent when the worker count changed: keep the fresh seed
             _set_rng(torch.load(rng_file, weights_only=False))
-    return next_step
+        final = json.loads((d / FINAL_METRICS).read_text()) if (d / FINAL_METRICS).exists() else None
+    return next_step, final
 
 
 def checkpoint_from_path(path: str | Path):

@@ -74,11 +74,16 @@ def train_loop(loop_cfg: dict) -> None:
                                            config=ds_config(cfg), dist_init_required=False)
     order = BlockOrder(len(train), cfg.seed)
 
-    start_step = 0
+    start_step, finished = 0, None
     if (ckpt := ray.train.get_checkpoint()) is not None:
-        start_step = checkpoint.restore(engine, ckpt, rank)
+        start_step, finished = checkpoint.restore(engine, ckpt, rank)
         if rank == 0:
             print(f"[raypai.train] resumed from checkpoint at step {start_step}", flush=True)
+    if finished is not None and start_step >= cfg.steps:
+        # the run had finished (called again by name, or restarted after its final report): no step
+        # to train; report the final checkpoint again with the metrics it finished on
+        checkpoint.save(engine, finished, next_step=start_step, rank=rank, final=True)
+        return
 
     peak = cfg.peak_flops_per_worker or measure_peak_flops()
     fpt = plan["flops_per_token"]
@@ -99,7 +104,7 @@ def train_loop(loop_cfg: dict) -> None:
         for micro in range(cfg.grad_accum):
             block_ids, tokens = blocks.get(step, micro)
             faults.record_blocks(rank, step, micro, block_ids)
-            x = torch.from_numpy(tokens).long()  # (micro_batch, seq_len)
+            x = torch.from_numpy(tokens).long().to(engine.device)  # (micro_batch, seq_len), on the worker's GPU if any
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
@@ -168,7 +173,7 @@ def _window_metrics(engine, losses: list[float], step_time: float, world: int, s
     import torch
     import torch.distributed as dist
 
-    loss_t = torch.tensor([float(np.mean(losses))])
+    loss_t = torch.tensor([float(np.mean(losses))], device=engine.device)  # NCCL reduces device tensors only
     dist.all_reduce(loss_t)
     times = [None] * world
     dist.all_gather_object(times, step_time)
@@ -198,11 +203,11 @@ def _evaluate(engine, mine: np.ndarray, cfg, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     engine.eval()
-    total = torch.zeros(2)  # (sum of loss × blocks, blocks)
+    total = torch.zeros(2, device=engine.device)  # (sum of loss × blocks, blocks)
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
-            x = torch.from_numpy(mine[i:i + cfg.micro_batch]).long()  # (b, T)
-            total += torch.tensor([engine(input_ids=x, labels=x).loss.item() * len(x), len(x)])
+            x = torch.from_numpy(mine[i:i + cfg.micro_batch]).long().to(engine.device)  # (b, T)
+            total += torch.tensor([engine(input_ids=x, labels=x).loss.item() * len(x), len(x)], device=engine.device)
     engine.train()
     dist.all_reduce(total)
     eval_loss = (total[0] / total[1]).item()

@@ -6,25 +6,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 
 from raypai import Artifact, StepContext, step
 from raypai.train import _fs
 from raypai.train.config import ModelConfig, PretrainConfig
 from raypai.train.trainer import pretrain as run_pretrain
-
-ARTIFACT_TAG = "raypai.artifact_id"
-
-
-def model_tags(ctx: StepContext, art: Artifact, inputs: dict[str, Artifact]) -> dict:
-    """Lineage tags on a registered model version: the way back from the registry to raypai."""
-    tags = {ARTIFACT_TAG: art.id, "raypai.digest": art.digest, "raypai.run_id": ctx.run_id,
-            "raypai.step_run_id": ctx.step_run_id, "raypai.pipeline": ctx.pipeline}
-    tags.update({f"raypai.input.{k}": f"{a.kind}:{a.digest[:16]}" for k, a in inputs.items()})
-    tags.update({f"raypai.input.{k}.artifact_id": a.id for k, a in inputs.items()})
-    return tags
-
 
 def step_config(shards: Artifact, *, steps: int, layers: int, hidden: int, heads: int, kv_heads: int,
                 intermediate: int, options: dict | None, **fields) -> PretrainConfig:
@@ -49,9 +35,8 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
                       intermediate=intermediate, options=options, lr=lr, micro_batch=micro_batch,
                       grad_accum=grad_accum, zero_stage=zero_stage, strategy=strategy, workers=workers,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed)
-    # Same inputs + config → same Ray Train run name, so a retried or resumed step continues from
-    # the checkpoints of the attempt before it instead of starting over.
-    key = hashlib.sha256((shards.digest + tokenizer.digest + json.dumps(cfg.to_dict(), sort_keys=True)).encode())
+    # Same code, inputs and config (the runner's cache key) → same Ray Train run name, so a retried
+    # or resumed step continues from the checkpoints of the attempt before it instead of starting over.
     out = ctx.output_dir("model")
     lineage = {"token_shards": {"artifact_id": shards.id, "digest": shards.digest},
                "tokenizer": {"artifact_id": tokenizer.id, "digest": tokenizer.digest},
@@ -60,7 +45,7 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
     # Train workers read their blocks from the shard files: the local folder of a local store, else
     # the artifact's URI (workers on other nodes read row groups from the object store, no copy)
     shards_at = shards.uri if _fs.is_remote(shards.uri) else shards.local_path()
-    res = run_pretrain(shards_at, tokenizer.local_path(), out, cfg, name=f"pretrain-{key.hexdigest()[:16]}",
+    res = run_pretrain(shards_at, tokenizer.local_path(), out, cfg, name=f"pretrain-{ctx.work_key()}",
                        storage_path=ctx.settings.home / "train", logger=ctx.logger, lineage=lineage,
                        progress=ctx.progress_reporter())
     m, info = res["metrics"], res["info"]
@@ -71,7 +56,6 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
                              "eval_ppl": m.get("eval_ppl"), "unigram_entropy_nats": info["unigram_entropy_nats"],
                              "zero_stage": info["zero_stage"], "steps": cfg.steps})
     if register_as:
-        version = ctx.tracker.register_model(out, register_as, run_id=ctx.logger.run_id if ctx.logger else None,
-                                             tags=model_tags(ctx, art, {"shards": shards, "tokenizer": tokenizer}))
+        version = ctx.register_model(art, register_as, {"shards": shards, "tokenizer": tokenizer}, local_dir=out)
         ctx.log_metrics({"registered_version": version})
     return art
