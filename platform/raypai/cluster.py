@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 import typer
 
+from raypai.config import parse_assignments
 from raypai.errors import ConfigError, PipelineError
 
 __all__ = ["SubmittedJob", "auth_headers", "build_wheel", "export_clean_tree", "pipeline_entrypoint", "runtime_env",
@@ -287,9 +288,7 @@ def submit_command(
     from rich.console import Console
 
     console = Console(stderr=True)
-    for p in param:
-        if "=" not in p:
-            raise PipelineError(f"--param {p!r} is not KEY=VALUE; write e.g. --param n=20")
+    parse_assignments(param, flag="--param")  # malformed values fail here, not on the cluster
     entrypoint, folder = pipeline_entrypoint(target, param)
     wheel = wheel or build_wheel(ref=ref)
     console.print(f"wheel: {wheel}")

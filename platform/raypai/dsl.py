@@ -22,6 +22,7 @@ import threading
 import typing
 from dataclasses import dataclass, field
 
+from raypai.config import coerce, unknown_key
 from raypai.errors import ConfigError, PipelineError
 
 _BUILD = threading.local()  # the DAG under construction while a @pipeline function body runs
@@ -209,18 +210,18 @@ class PipelineDef:
         return dag
 
     def coerce_params(self, params: dict) -> dict:
-        """Check names and convert CLI strings to the annotated types; all problems at once."""
+        """Check names and convert CLI strings to the annotated types (raypai.config); all problems at once."""
         valid = list(self.signature.parameters)
-        problems = [f"unknown parameter {k!r} of pipeline {self.name!r}; valid parameters: {', '.join(valid) or '(none)'}"
+        problems = [f"pipeline {self.name!r}: {unknown_key(k, valid, noun='parameter')}"
                     for k in params if k not in valid]
         out = {}
         for pname, p in self.signature.parameters.items():
             if pname in params:
                 value = params[pname]
                 hint = self.hints.get(pname)
-                if isinstance(value, str) and hint in (int, float, bool):
+                if isinstance(value, str) and hint in (int, float, bool):  # --param text: "3e-3", "false"
                     try:
-                        value = _parse_scalar(value, hint)
+                        value = coerce(hint, value)
                     except ValueError:
                         problems.append(f"parameter {pname!r} of pipeline {self.name!r} must be {hint.__name__} "
                                         f"(got {value!r}); pass e.g. --param {pname}={_example(hint)}")
@@ -301,16 +302,6 @@ def _check_type(owner: str, pname: str, value, hint) -> list[str]:
     if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return []
     return [f"{owner}: parameter {pname!r} must be {hint.__name__}, got {type(value).__name__} {value!r}"]
-
-
-def _parse_scalar(text: str, hint):
-    if hint is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(text)
-    return hint(text)
 
 
 def _example(hint) -> str:

@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 
 from raypai.cli.render import Progress, console, lineage_tree, runs_table, steps_table, summary_table
+from raypai.config import parse_assignments
 from raypai.errors import NotFoundError, PipelineError, RaypaiError
 
 app = typer.Typer(help="raypai: raw text → trained, aligned, deployed language model, with lineage.",
@@ -48,13 +49,7 @@ def _store():
 def parse_params(params: list[str]) -> dict:
     """`--param KEY=VALUE` strings as a dict (values as written; the pipeline's typed parameters
     convert them). Public for pipeline files with a `main()` of their own."""
-    out = {}
-    for p in params:
-        if "=" not in p:
-            raise PipelineError(f"--param {p!r} is not KEY=VALUE; write e.g. --param n=20")
-        k, v = p.split("=", 1)
-        out[k.strip()] = v
-    return out
+    return parse_assignments(params, flag="--param")
 
 
 def finish_run(result) -> None:

@@ -38,7 +38,7 @@ def train_command(
         raw = PretrainConfig.load(str(config)).to_dict() if config else {}
         overrides = {"steps": steps, "workers": workers, "zero_stage": zero_stage, "strategy": strategy}
         raw.update({k: v for k, v in overrides.items() if v is not None})
-        cfg = PretrainConfig.from_dict(raw).validate()
+        cfg = PretrainConfig.from_dict(raw)
         settings = Settings.load()
         ensure_ray(settings)
         res = pretrain(shards_dir, tokenizer, out_dir, cfg, name=name, storage_path=settings.home / "train",

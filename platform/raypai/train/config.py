@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from raypai.config import parse_config
 from raypai.errors import ConfigError
 from raypai.train.schedule import SCHEDULES
 
@@ -114,16 +115,9 @@ class PretrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PretrainConfig":
-        d = dict(d)
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        model = d.pop("model", {}) or {}
-        unknown_model = set(model) - set(ModelConfig.__dataclass_fields__)
-        p = [f"unknown pretrain option {k!r}; valid: {', '.join(cls.__dataclass_fields__)}" for k in sorted(unknown)]
-        p += [f"unknown model option {k!r}; valid: {', '.join(ModelConfig.__dataclass_fields__)}" for k in sorted(unknown_model)]
-        p += _type_problems(cls(), d, "") + _type_problems(ModelConfig(), model, "model.")
-        if p:
-            raise ConfigError(p, what="pretrain config")
-        return cls(model=ModelConfig(**model), **d)
+        """A validated config from a plain mapping (`model:` holds the ModelConfig fields); unknown
+        options, wrong types and invalid values together in one ConfigError (raypai.config)."""
+        return parse_config(cls, d, what="pretrain config")
 
     @classmethod
     def load(cls, path: str) -> "PretrainConfig":
@@ -137,18 +131,5 @@ class PretrainConfig:
         if not isinstance(raw, dict):
             raise ConfigError([f"config file {path}: expected a mapping of options, got {type(raw).__name__}"],
                               what="pretrain config")
-        return cls.from_dict(raw).validate()
+        return cls.from_dict(raw)
 
-
-def _type_problems(defaults, values: dict, prefix: str) -> list[str]:
-    """Values of the field's type (YAML turns `1e-3` without a dot into a string, for example)."""
-    p = []
-    for k, v in values.items():
-        want = type(getattr(defaults, k, None))
-        if want is int and (isinstance(v, bool) or not isinstance(v, int)):
-            p.append(f"{prefix}{k} must be an integer (got {v!r})")
-        elif want is float and (isinstance(v, bool) or not isinstance(v, int | float)):
-            p.append(f"{prefix}{k} must be a number (got {v!r})")
-        elif want in (bool, str) and not isinstance(v, want):
-            p.append(f"{prefix}{k} must be a {want.__name__} (got {v!r})")
-    return p

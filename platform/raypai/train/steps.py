@@ -20,7 +20,7 @@ def step_config(shards: Artifact, *, steps: int, layers: int, hidden: int, heads
     model = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "intermediate": intermediate,
              "max_positions": max(256, int(shards.metadata.get("block_size", 0))), **options.pop("model", {})}
     raw = {"steps": steps, "warmup_steps": min(20, steps // 10), **fields, **options, "model": model}
-    return PretrainConfig.from_dict(raw).validate()
+    return PretrainConfig.from_dict(raw)
 
 
 @step(cpus=0.5)
