@@ -19,6 +19,9 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYPAI_DASHBOARD", "0")
+# A local Ray prestarts one idle Python worker per logical CPU for its first driver (8 here, on 2
+# cores); most tests use a few, so the rest only cost CPU at every one of the suite's Ray starts.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 _RAYPAI_VARS = ("RAYPAI_HOME", "RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "RAY_ADDRESS",
                 "RAYPAI_CONFIG")
