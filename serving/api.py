@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from raypai.errors import DeployError, NotFoundError
+from raypai.errors import DeployError, DeploymentConflict, NotFoundError
 from raypai.serving import auth
-from raypai.serving.control import Controller, DeploymentConflict
+from raypai.serving.control import Controller
 from raypai.serving.errors import APIError, install
 from raypai.serving.schemas import DeploymentCreate, DeploymentPatch
 from raypai.settings import Settings

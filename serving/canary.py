@@ -1,7 +1,7 @@
 """Canary judgement: a canary version is compared with the stable version on the traffic they both
 serve, and the comparison decides promotion and rollback.
 
-    policy = CanaryPolicy.from_spec(spec.get("canary_policy"))
+    policy = CanaryPolicy.from_spec(spec.canary_policy)          # spec: raypai.deployment.DeploymentSpec
     windows = Windows()
     windows.observe("chat", 3, ok=True, seconds=0.12)       # the router, per answered request
     decision, reason, stats = judge(policy, windows.summary("chat", 2), windows.summary("chat", 3))

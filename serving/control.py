@@ -7,22 +7,21 @@ one router application owns `/` and reads the routing table from the store.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ray import serve
 
-from raypai.errors import ConfigError, DeployError, NotFoundError
+from raypai.deployment import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, Batching, DeploymentSpec
+from raypai.errors import ConfigError, DeployError, DeploymentConflict, NotFoundError
 from raypai.serving.canary import CanaryPolicy
-from raypai.serving.model_server import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, ModelServer
+from raypai.serving.model_server import ModelServer
 from raypai.serving.router import Router, app_name
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 from raypai.tracking import Tracker
 
 ROUTER_APP = "raypai-router"
-
-
-class DeploymentConflict(DeployError):
-    """The request contradicts the current state (name taken, version already stable): HTTP 409."""
+__all__ = ["Controller", "DeploymentConflict", "ROUTER_APP", "serve_port"]
 
 
 def serve_port(settings: Settings | None = None) -> int:
@@ -47,15 +46,15 @@ class Controller:
         if ROUTER_APP not in apps:
             serve.run(Router.bind(self.settings.database_url), name=ROUTER_APP, route_prefix="/", blocking=False)
 
-    def _run_version(self, name: str, spec: dict, version: int) -> None:
-        opts = {"name": "ModelServer", "ray_actor_options": {"num_cpus": spec.get("cpus", 1.0),
-                                                              "num_gpus": spec.get("gpus", 0.0)}}
-        if spec.get("autoscaling"):
-            opts["autoscaling_config"] = spec["autoscaling"]
+    def _run_version(self, name: str, spec: DeploymentSpec, version: int) -> None:
+        opts = {"name": "ModelServer", "ray_actor_options": {"num_cpus": spec.cpus, "num_gpus": spec.gpus}}
+        if spec.autoscaling:
+            opts["autoscaling_config"] = spec.autoscaling
         else:
-            opts["num_replicas"] = spec.get("replicas", 1)
-        server = ModelServer.options(**opts).bind(spec["model"], version, self.settings.mlflow_tracking_uri,
-                                                  **spec.get("batching", {}))
+            opts["num_replicas"] = spec.replicas
+        server = ModelServer.options(**opts).bind(spec.model, version, self.settings.mlflow_tracking_uri,
+                                                  max_batch_size=spec.batching.max_batch_size,
+                                                  batch_wait_timeout_s=spec.batching.batch_wait_timeout_s)
         serve.run(server, name=app_name(name, version), route_prefix=None, blocking=False)
         _wait_running(app_name(name, version))
 
@@ -73,11 +72,12 @@ class Controller:
                autoscaling: dict | None = None, cpus: float = 1.0, gpus: float = 0.0,
                max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S) -> dict:
         if self.store.get_deployment(name) is not None:
-            raise DeploymentConflict(f"deployment {name!r} already exists; PATCH it to change version or scale")
+            raise DeploymentConflict(f"deployment {name!r} already exists; change its version or scale with "
+                                     f"`raypai deploy update {name} ...` (PATCH /api/v1/deployments/{name}), "
+                                     "or delete it first")
         v = self._resolve(model, version, alias)
-        spec = {"model": model, "version": v, "canary_version": None, "canary_percent": 0, "previous_versions": [],
-                "replicas": replicas, "autoscaling": autoscaling, "cpus": cpus, "gpus": gpus,
-                "batching": {"max_batch_size": max_batch_size, "batch_wait_timeout_s": batch_wait_timeout_s}}
+        spec = DeploymentSpec(model=model, version=v, replicas=replicas, autoscaling=autoscaling, cpus=cpus, gpus=gpus,
+                              batching=Batching(max_batch_size, batch_wait_timeout_s))
         self.start()
         self.store.save_deployment(name, spec, "deploying")
         try:
@@ -93,72 +93,71 @@ class Controller:
                autoscaling: dict | None = None) -> dict:
         """Start, resize, promote a canary; rescale. Promotion needs the router's latest verdict on the
         canary to be `healthy` (raypai.serving.canary) unless `force`; a refusal says why."""
-        spec = dict(self._get(name).spec)
+        spec = self._get(name).spec
         self._collect_orphans(name, spec)
         if canary_policy is not None:
             try:
-                spec["canary_policy"] = CanaryPolicy.from_spec(canary_policy).to_dict()
+                spec = replace(spec, canary_policy=CanaryPolicy.from_spec(canary_policy).to_dict())
             except ConfigError as exc:
                 raise DeployError(str(exc)) from None
         if canary_version is not None or canary_alias is not None:
-            v = self._resolve(spec["model"], canary_version, canary_alias)
-            if v == spec["version"]:
+            v = self._resolve(spec.model, canary_version, canary_alias)
+            if v == spec.version:
                 raise DeploymentConflict(f"version {v} is already the stable version of {name!r}")
             self._run_version(name, spec, v)
-            spec["canary_version"], spec["canary_percent"] = v, 10 if canary_percent is None else canary_percent
+            spec = spec.with_canary(v, 10 if canary_percent is None else canary_percent)
             # a new canary starts unjudged (an earlier verdict on the same version number is not about it)
-            self.store.record_canary_check(name, spec["version"], v, "insufficient", "canary started: no traffic "
+            self.store.record_canary_check(name, spec.version, v, "insufficient", "canary started: no traffic "
                                            "measured yet", {"policy": CanaryPolicy.from_spec(
-                                               spec.get("canary_policy")).to_dict()})
+                                               spec.canary_policy).to_dict()})
         elif canary_percent is not None:
-            if spec["canary_version"] is None:
+            if spec.canary_version is None:
                 raise DeployError(f"{name!r} has no canary; start one with canary_version")
-            spec["canary_percent"] = canary_percent
+            spec = replace(spec, canary_percent=canary_percent)
         if replicas is not None or autoscaling is not None:
-            spec.update(replicas=replicas or spec["replicas"], autoscaling=autoscaling)
-            for v in {spec["version"], spec["canary_version"]} - {None}:
+            spec = replace(spec, replicas=replicas or spec.replicas, autoscaling=autoscaling)
+            for v in spec.versions():
                 self._run_version(name, spec, v)
         if promote:
-            if spec["canary_version"] is None:
+            if spec.canary_version is None:
                 raise DeployError(f"{name!r} has no canary to promote")
             if not force:
-                check = self.store.latest_canary_check(name, spec["canary_version"])
+                check = self.store.latest_canary_check(name, spec.canary_version)
                 if check is None or check["decision"] != "healthy":
                     why = check["reason"] if check else "no canary traffic has been measured yet"
                     raise DeploymentConflict(
-                        f"promotion of v{spec['canary_version']} refused: {why}. Send it traffic "
+                        f"promotion of v{spec.canary_version} refused: {why}. Send it traffic "
                         "(canary_percent) until the verdict is healthy, or promote with force=true")
-            old = spec["version"]
-            spec["previous_versions"] = [*spec["previous_versions"], old][-5:]
-            spec["version"], spec["canary_version"], spec["canary_percent"] = spec["canary_version"], None, 0
+            old = spec.version
+            spec = spec.promoted()
             self._save(name, spec)  # route to the new stable version before the old one goes
             serve.delete(app_name(name, old))
         return self._record(name, spec, "running")
 
     def rollback(self, name: str) -> dict:
         """Drop the canary if there is one; otherwise go back to the previous stable version."""
-        spec = dict(self._get(name).spec)
+        spec = self._get(name).spec
         self._collect_orphans(name, spec)
-        if spec["canary_version"] is not None:
-            canary = spec["canary_version"]
-            spec["canary_version"], spec["canary_percent"] = None, 0
+        if spec.canary_version is not None:
+            canary = spec.canary_version
+            spec = spec.with_canary(None)
             self._save(name, spec)
             serve.delete(app_name(name, canary))
-        elif spec["previous_versions"]:
-            current = spec["version"]
-            prev = spec["previous_versions"].pop()
-            self._run_version(name, spec, prev)
-            spec["version"] = prev
+        elif spec.previous_versions:
+            current = spec.version
+            spec = spec.rolled_back()
+            self._run_version(name, spec, spec.version)
             self._save(name, spec)
             serve.delete(app_name(name, current))
         else:
-            raise DeployError(f"{name!r} has neither a canary nor a previous version to roll back to")
+            raise DeployError(f"{name!r} has neither a canary nor a previous version to roll back to; "
+                              "deploy another version with a canary (`raypai deploy update NAME --canary-version N`)")
         return self._record(name, spec, "running")
 
     def delete(self, name: str) -> None:
         spec = self._get(name).spec
         self.store.delete_deployment(name)
-        for v in {spec["version"], spec.get("canary_version")} - {None}:
+        for v in spec.versions():
             serve.delete(app_name(name, v))
 
     def reconcile(self) -> list[tuple[str, str]]:
@@ -169,16 +168,21 @@ class Controller:
         actions = []
         for d in self.store.list_deployments():
             actions += [(d.name, f"deleted orphaned {app}") for app in self._collect_orphans(d.name, d.spec, live)]
-            for v in {d.spec["version"], d.spec.get("canary_version")} - {None}:
+            for v in d.spec.versions():
                 if app_name(d.name, v) not in live:
                     self._run_version(d.name, d.spec, v)
                     actions.append((d.name, f"re-created v{v}"))
         return actions
 
+    def spec(self, name: str) -> DeploymentSpec | None:
+        """The desired state of `name`, None when there is no such deployment."""
+        rec = self.store.get_deployment(name)
+        return rec.spec if rec is not None else None
+
     def describe(self, name: str) -> dict:
         rec = self._get(name)
         out = self._with_status(rec.name, rec.spec, rec.state, rec.history)
-        canary = rec.spec.get("canary_version")
+        canary = rec.spec.canary_version
         out["canary_check"] = self.store.latest_canary_check(name, canary) if canary is not None else None
         out["events"] = [h["event"] for h in rec.history if h.get("event")][-5:]
         return out
@@ -188,11 +192,11 @@ class Controller:
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def _collect_orphans(self, name: str, spec: dict, live: dict | None = None) -> list[str]:
+    def _collect_orphans(self, name: str, spec: DeploymentSpec, live: dict | None = None) -> list[str]:
         """Delete Serve applications of `name` that its desired state no longer names (the router takes
         a failing canary out of the routing table by itself; its application goes here)."""
         live = serve.status().applications if live is None else live
-        wanted = {app_name(name, v) for v in {spec["version"], spec.get("canary_version")} - {None}}
+        wanted = {app_name(name, v) for v in spec.versions()}
         prefix = f"raypai-{name}-v"
         gone = [a for a in live if a.startswith(prefix) and a[len(prefix):].isdigit() and a not in wanted]
         for app in gone:
@@ -202,24 +206,26 @@ class Controller:
     def _get(self, name: str):
         rec = self.store.get_deployment(name)
         if rec is None:
-            raise NotFoundError(f"deployment {name!r} not found")
+            known = ", ".join(d.name for d in self.store.list_deployments()) or "none yet"
+            raise NotFoundError(f"deployment {name!r} not found (known deployments: {known}); list them with "
+                                "`raypai deploy list`, create one with `raypai deploy create`")
         return rec
 
-    def _save(self, name: str, spec: dict, state: str = "running"):
+    def _save(self, name: str, spec: DeploymentSpec, state: str = "running"):
         return self.store.save_deployment(name, spec, state)
 
-    def _record(self, name: str, spec: dict, state: str) -> dict:
+    def _record(self, name: str, spec: DeploymentSpec, state: str) -> dict:
         rec = self._save(name, spec, state)
         return self._with_status(rec.name, rec.spec, rec.state, rec.history)
 
-    def _with_status(self, name: str, spec: dict, state: str, history: list) -> dict:
+    def _with_status(self, name: str, spec: DeploymentSpec, state: str, history: list) -> dict:
+        """The API's view of a deployment: its spec as JSON plus each version's Serve status."""
         try:
             apps = serve.status().applications
-            live = {str(v): _status(apps.get(app_name(name, v)))
-                    for v in {spec["version"], spec.get("canary_version")} - {None}}
+            live = {str(v): _status(apps.get(app_name(name, v))) for v in spec.versions()}
         except Exception as exc:  # noqa: BLE001 - Serve not reachable: report it, don't fail the read
             live = {"error": str(exc)}
-        return {"name": name, "state": state, "spec": spec, "live": live, "history_length": len(history),
+        return {"name": name, "state": state, "spec": spec.to_dict(), "live": live, "history_length": len(history),
                 "endpoint": f"http://127.0.0.1:{serve_port(self.settings)}/v1"}
 
 
@@ -234,12 +240,29 @@ def _wait_running(app: str, timeout_s: float = 180.0) -> None:
     import time
 
     deadline = time.time() + timeout_s
+    status, value = None, "MISSING"
     while time.time() < deadline:
         status = serve.status().applications.get(app)
         value = _status(status)
         if value == "RUNNING":
             return
         if value in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise DeployError(f"Serve application {app} failed: {getattr(status, 'message', '')[:500]}")
+            raise DeployError(f"Serve application {app} failed: {getattr(status, 'message', '')[:500]}; "
+                              f"the replica's traceback is in the Ray dashboard (Serve tab) and in {_serve_logs()}")
         time.sleep(0.5)
-    raise DeployError(f"Serve application {app} not running after {timeout_s:.0f}s")
+    message = getattr(status, "message", "") if status is not None else ""
+    raise DeployError(f"Serve application {app} not running after {timeout_s:.0f}s (status {value}"
+                      + (f": {message[:300]}" if message else "") + "). A replica that waits for resources "
+                      "means the cluster lacks the CPUs/GPUs the deployment asks for (`ray status`; lower "
+                      f"cpus/gpus/replicas); a slow or failing model load shows in the replica logs under "
+                      f"{_serve_logs()} and the Ray dashboard's Serve tab")
+
+
+def _serve_logs() -> str:
+    """The Serve log folder of the Ray session this process is connected to."""
+    try:
+        from ray._private import worker  # the session folder has no public accessor in Ray 2.x
+
+        return f"{worker._global_node.get_logs_dir_path()}/serve/"
+    except Exception:  # noqa: BLE001 - not connected (Ray client): name the usual place
+        return "the Ray session's logs/serve/ folder (session_latest under Ray's temp dir)"

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 
+from raypai.deployment import DeploymentSpec
 from raypai.serving import auth
 from raypai.serving.canary import CanaryPolicy, Windows, judge
 from raypai.serving.errors import APIError, PromptError, install
@@ -28,12 +29,11 @@ def app_name(deployment: str, version: int) -> str:
     return f"raypai-{deployment}-v{version}"
 
 
-def pick_version(spec: dict, rng: random.Random) -> int:
+def pick_version(spec: DeploymentSpec, rng: random.Random) -> int:
     """Weighted canary split: canary_percent of requests go to the canary version."""
-    canary, pct = spec.get("canary_version"), spec.get("canary_percent") or 0
-    if canary is not None and rng.random() * 100 < pct:
-        return int(canary)
-    return int(spec["version"])
+    if spec.canary_version is not None and rng.random() * 100 < spec.canary_percent:
+        return spec.canary_version
+    return spec.version
 
 
 def usage(res: GenResult) -> dict:
@@ -83,7 +83,7 @@ class Router:
         self.judged: dict[str, tuple[float, tuple]] = {}  # deployment -> (when, what was last recorded)
         self.judging: set[asyncio.Task] = set()
 
-    async def _routes(self) -> dict[str, dict]:
+    async def _routes(self) -> dict[str, DeploymentSpec]:
         """The routing table, re-read from the store at most once a second (desired state changes
         through the deploy API). The read runs in a worker thread: a slow database must not stall
         the event loop that every request of this replica shares."""
@@ -103,14 +103,14 @@ class Router:
             raise APIError(404, f"model {name!r} does not exist (deployed models: {known})", code="model_not_found",
                            param="model")
         version = pick_version(spec, self.rng)
-        return serve.get_app_handle(app_name(name, version)), f"{spec['model']}/{version}", version
+        return serve.get_app_handle(app_name(name, version)), f"{spec.model}/{version}", version
 
     @app.get("/v1/models")
     async def models(self, request: Request):
         await self.auth.check(request, "infer")
         data = [{"id": n, "object": "model", "owned_by": "raypai", "created": 0,
-                 "raypai_model": s["model"], "raypai_version": s["version"],
-                 "raypai_canary_version": s.get("canary_version"), "raypai_canary_percent": s.get("canary_percent", 0)}
+                 "raypai_model": s.model, "raypai_version": s.version,
+                 "raypai_canary_version": s.canary_version, "raypai_canary_percent": s.canary_percent}
                 for n, s in sorted((await self._routes()).items())]
         return {"object": "list", "data": data}
 
@@ -150,18 +150,18 @@ class Router:
 
     def _judge_soon(self, name: str) -> None:
         """Judge `name`'s canary after this answer, at most once a second, off the request's path."""
-        spec = self.table.get(name) or {}
-        if spec.get("canary_version") is None or time.monotonic() - self.judged.get(name, (0.0, None))[0] < 1.0:
+        spec = self.table.get(name)
+        if spec is None or spec.canary_version is None or time.monotonic() - self.judged.get(name, (0.0, None))[0] < 1.0:
             return
         self.judged[name] = (time.monotonic(), self.judged.get(name, (0.0, None))[1])
         task = asyncio.ensure_future(self._judge(name, spec))
         self.judging.add(task)
         task.add_done_callback(self.judging.discard)
 
-    async def _judge(self, name: str, spec: dict) -> None:
-        policy = CanaryPolicy.from_spec(spec.get("canary_policy"))
-        stable = self.windows.summary(name, int(spec["version"]), policy.window_s)
-        canary = self.windows.summary(name, int(spec["canary_version"]), policy.window_s)
+    async def _judge(self, name: str, spec: DeploymentSpec) -> None:
+        policy = CanaryPolicy.from_spec(spec.canary_policy)
+        stable = self.windows.summary(name, spec.version, policy.window_s)
+        canary = self.windows.summary(name, spec.canary_version, policy.window_s)
         decision, reason = judge(policy, stable, canary)
         seen = (decision, stable["requests"], stable["errors"], canary["requests"], canary["errors"])
         if seen == self.judged[name][1]:
@@ -169,12 +169,12 @@ class Router:
         self.judged[name] = (self.judged[name][0], seen)
         action = "none"
         if decision == "worse" and policy.auto_rollback:
-            done = await asyncio.to_thread(self.store.rollback_canary, name, int(spec["canary_version"]), reason)
+            done = await asyncio.to_thread(self.store.rollback_canary, name, spec.canary_version, reason)
             if done:
                 action, self.loaded_at = "rolled_back", 0.0  # the next request re-reads the routing table
         stats = {"stable": stable, "canary": canary, "policy": policy.to_dict()}
-        await asyncio.to_thread(self.store.record_canary_check, name, int(spec["version"]),
-                                int(spec["canary_version"]), decision, reason, stats, action)
+        await asyncio.to_thread(self.store.record_canary_check, name, spec.version,
+                                spec.canary_version, decision, reason, stats, action)
 
     async def _respond(self, handle, served: str, body, chat: bool):
         """One call to a model-server replica, which tokenizes, checks the context window and generates."""

@@ -38,8 +38,8 @@ def still_serving(value: dict | None, store) -> str | None:
     rec = store.get_deployment(name)
     if rec is None or rec.state != "running":
         return f"deployment {name!r} is {'gone' if rec is None else rec.state} now"
-    if rec.spec["version"] != version:
-        return f"deployment {name!r} now serves version {rec.spec['version']}, not {version}"
+    if rec.spec.version != version:
+        return f"deployment {name!r} now serves version {rec.spec.version}, not {version}"
     try:
         from ray import serve
 
@@ -65,17 +65,20 @@ def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpu
     reason, when `require_promoted` and the evaluation did not promote it, or when a metric in
     `min_metrics` (e.g. {"accuracy_candidate": 0.5}) is below its threshold in `evaluation`."""
     from raypai.serving.control import Controller
+    from raypai.store import MetadataStore
 
     if require_promoted and not registered.get("promoted"):
         return {"deployed": False, "reason": "evaluation did not beat the baseline", **registered}
     failed = unmet_gates(evaluation, min_metrics)
     if failed:
         return {"deployed": False, "reason": "metric gate: " + ", ".join(failed), **registered}
-    ctl = Controller(ctx.settings, store=ctx.store, tracker=ctx.tracker)
-    existing = ctx.store.get_deployment(name)
+    # the control plane's own handle on the deployments table (the step context gives no store)
+    ctl = Controller(ctx.settings, store=MetadataStore(ctx.settings.database_url, migrate_schema=False),
+                     tracker=ctx.tracker)
+    existing = ctl.spec(name)
     if existing is None:
         out = ctl.create(name, registered["model"], registered["version"], replicas=replicas, cpus=cpus)
-    elif existing.spec["version"] == registered["version"]:
+    elif existing.version == registered["version"]:
         ctl.reconcile()  # same version: make sure Serve still has it
         out = ctl.describe(name)
     else:

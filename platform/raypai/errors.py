@@ -36,6 +36,11 @@ class DeployError(RaypaiError):
     """A deployment request that cannot be carried out."""
 
 
+class DeploymentConflict(DeployError):
+    """A deploy request that contradicts the current state (name taken, version already stable, a
+    promotion the canary's verdict does not allow): HTTP 409 from the deploy API."""
+
+
 class NotFoundError(RaypaiError):
     """A named run, artifact, model or deployment does not exist."""
 
@@ -48,5 +53,6 @@ __all__ = [
     "StoreError",
     "TrainError",
     "DeployError",
+    "DeploymentConflict",
     "NotFoundError",
 ]

@@ -13,15 +13,6 @@ from raypai.store import MetadataStore
 from raypai.tracking import ARTIFACT_TAG
 
 
-def _versions(spec: dict) -> list[tuple[str, int, str]]:
-    """(model name, version, role) pairs the deployment serves: the stable one and any canary."""
-    out = []
-    for role, key in (("stable", "version"), ("canary", "canary_version")):
-        if spec.get(key) is not None:
-            out.append((spec["model"], int(spec[key]), role))
-    return out
-
-
 def deployment_lineage(store: MetadataStore, settings: Settings, name: str) -> dict:
     from raypai.runner import tracker_for
 
@@ -31,7 +22,8 @@ def deployment_lineage(store: MetadataStore, settings: Settings, name: str) -> d
         raise NotFoundError(f"no deployment named {name!r} (known: {known}); see `raypai deploy list`")
     tracker = tracker_for(settings)
     models = []
-    for model, version, role in _versions(rec.spec):
+    model = rec.spec.model
+    for version, role in rec.spec.served():
         _, tags = tracker.resolve_model(model, version)
         entry = {"model": model, "version": version, "role": role, "tags": tags,
                  "mlflow_source": tracker.model_source(model, version)}
@@ -41,4 +33,4 @@ def deployment_lineage(store: MetadataStore, settings: Settings, name: str) -> d
             entry["lineage"] = tree
             entry["raw_sources"] = sources(tree)
         models.append(entry)
-    return {"deployment": rec.name, "state": rec.state, "spec": rec.spec, "models": models}
+    return {"deployment": rec.name, "state": rec.state, "spec": rec.spec.to_dict(), "models": models}

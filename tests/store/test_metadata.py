@@ -5,7 +5,8 @@ import uuid
 import pytest
 
 from raypai.artifacts import Artifact
-from raypai.errors import NotFoundError, StoreError
+from raypai.deployment import DeploymentSpec
+from raypai.errors import ConfigError, NotFoundError, StoreError
 from raypai.lineage import openlineage_events, sources, upstream
 from raypai.store import MetadataStore
 
@@ -98,11 +99,35 @@ def test_tokens_are_hashed_and_scoped(db_url):
 def test_deployments_keep_desired_state_and_history(db_url):
     store = MetadataStore(db_url)
     name = f"dep-{uuid.uuid4().hex[:6]}"
-    store.save_deployment(name, {"model": "tiny", "version": 1}, "running")
-    rec = store.save_deployment(name, {"model": "tiny", "version": 1, "canary": 2, "percent": 50}, "running")
-    assert rec.spec["canary"] == 2 and len(rec.history) == 2
+    spec = DeploymentSpec(model="tiny", version=1)
+    store.save_deployment(name, spec, "running")
+    rec = store.save_deployment(name, spec.with_canary(2, 50), "running")
+    assert rec.spec == DeploymentSpec(model="tiny", version=1, canary_version=2, canary_percent=50)
+    assert len(rec.history) == 2 and rec.history[-1]["spec"]["canary_version"] == 2
+    assert store.get_deployment(name).spec == rec.spec  # typed on the way out as on the way in
+    assert store.rollback_canary(name, 2, "worse") and store.get_deployment(name).spec == spec
+    assert not store.rollback_canary(name, 2, "again")  # no longer the canary
     assert name in [d.name for d in store.list_deployments()]
     assert store.delete_deployment(name) and store.get_deployment(name) is None
+    with pytest.raises(TypeError, match="takes a raypai.deployment.DeploymentSpec"):
+        store.save_deployment(name, {"model": "tiny", "version": 1}, "running")
+
+
+def test_deployment_spec_transitions_and_stored_json():
+    spec = DeploymentSpec(model="m", version=3, previous_versions=(1, 2))
+    canary = spec.with_canary(4, 10)
+    assert canary.served() == [(3, "stable"), (4, "canary")] and canary.versions() == {3, 4}
+    promoted = canary.promoted()
+    assert (promoted.version, promoted.canary_version, promoted.previous_versions) == (4, None, (1, 2, 3))
+    assert promoted.rolled_back() == DeploymentSpec(model="m", version=3, previous_versions=(1, 2))
+    assert DeploymentSpec.from_dict(canary.to_dict()) == canary
+    assert canary.to_dict()["batching"] == {"max_batch_size": 16, "batch_wait_timeout_s": 0.01}
+    with pytest.raises(ConfigError) as err:
+        DeploymentSpec.from_dict({"model": "m", "verison": 3, "replicas": "two"})
+    assert err.value.problems == [
+        "unknown option 'verison' (did you mean 'version'?); valid options: model, version, canary_version, "
+        "canary_percent, previous_versions, replicas, autoscaling, cpus, gpus, batching, canary_policy",
+        "replicas must be int (got str 'two')", "version is required (int)"]
 
 
 def test_op_stats_round_trip(db_url):

@@ -202,7 +202,7 @@ def test_token_shards_stream_from_s3(three_shards, s3):
     fs, root = pafs.FileSystem.from_uri(f"s3://{bucket}/shards")
     pafs.copy_files(str(folder), root, destination_filesystem=fs)
     uri = f"s3://{bucket}/shards"
-    assert read_manifest(uri)["_train_blocks"] == 2625
+    assert (read_manifest(uri).num_blocks, read_manifest(uri).num_eval_blocks) == (2625, 375)
     idx = np.array([3, 2600, 1000])
     got_ids, got = TokenShards(uri, "train").take(idx)
     assert got_ids.tolist() == ids[idx].tolist() and np.array_equal(got, toks[idx])
@@ -219,6 +219,14 @@ def test_shard_reading_errors(tmp_path):
     (tmp_path / "ok" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(TrainError, match="missing: .*shard-00009"):
         read_manifest(tmp_path / "ok")
+    bad = {**m, "block_size": "32 tokens", "files": [{"file": "shard-00000.parquet", "split": "test"}]}
+    del bad["vocab_size"]
+    (tmp_path / "ok" / "manifest.json").write_text(json.dumps(bad))
+    with pytest.raises(TrainError) as err:
+        TokenShards(tmp_path / "ok", "train")
+    assert str(err.value).splitlines()[1:] == [
+        "  - block_size must be int (got str '32 tokens')", "  - vocab_size is required (int)",
+        "  - files[0]: split 'test' is unknown; use one of train, eval", "re-run the tokenize step to rewrite the shards"]
     empty = tmp_path / "empty"
     make_shards(empty, blocks=16)
     pq.write_table(pa.table({"block_id": pa.array([], pa.int64()), "input_ids": pa.array([], pa.list_(pa.int32()))}),
@@ -307,3 +315,23 @@ def test_snapshot_buffers_copy_values_into_reused_memory():
     third = bufs.copy(state, ("model.pt",))
     assert third["module"]["w"].dtype == torch.float64 and torch.equal(third["module"]["w"], torch.zeros(5, dtype=torch.float64))
     assert bufs.copy({"w": torch.ones(2)}, ("other.pt",))["w"].data_ptr() != third["module"]["w"].data_ptr()
+
+
+def test_token_shards_manifest_reads_what_the_tokenizer_writes(tmp_path):
+    """The keys raypai.data.tokenizer writes (see its `tokenize`) parse into the typed manifest and
+    come back unchanged; synthetic shards use the same type."""
+    from raypai.token_shards import ShardFile, TokenShardsManifest
+
+    written = {"kind": "token_shards", "block_size": 128, "num_blocks": 90, "num_eval_blocks": 5, "num_tokens": 11520,
+               "documents": 40, "vocab_size": 512, "eos_id": 2, "tokenizer_digest": "ab12",
+               "files": [{"file": "shard-00000.parquet", "split": "train", "blocks": 90},
+                         {"file": "eval-00000.parquet", "split": "eval", "blocks": 5}],
+               "unigram_entropy_nats": 5.1, "content_sha256": "cd34"}
+    manifest = TokenShardsManifest.from_dict(written)
+    assert manifest.files_of("eval") == ["eval-00000.parquet"] and manifest.files[0] == ShardFile("shard-00000.parquet",
+                                                                                                   "train", 90)
+    assert manifest.to_dict() == written
+    with pytest.raises(ConfigError, match="kind is 'dataset', not 'token_shards'"):
+        TokenShardsManifest.from_dict({**written, "kind": "dataset"})
+    synthetic = write_token_shards(tmp_path, blocks=16)
+    assert TokenShardsManifest.from_dict(synthetic) == read_manifest(tmp_path)

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from raypai.artifacts import Artifact
+from raypai.deployment import DeploymentSpec
 from raypai.errors import NotFoundError, StoreError
 from raypai.store import models as m
 
@@ -36,7 +37,7 @@ class TokenRecord:
 @dataclass(frozen=True)
 class DeploymentRecord:
     name: str
-    spec: dict
+    spec: DeploymentSpec
     state: str
     history: list
     created_at: object
@@ -347,18 +348,22 @@ class MetadataStore:
                 raise NotFoundError(f"no token named {name!r}; see `raypai token list`")
             row.revoked_at = m.utcnow()
 
-    # ---- deployments (desired state; serving owns the spec's schema) -----------------------------
+    # ---- deployments (desired state: raypai.deployment.DeploymentSpec, stored as its JSON) ---------
 
-    def save_deployment(self, name: str, spec: dict, state: str) -> DeploymentRecord:
+    def save_deployment(self, name: str, spec: DeploymentSpec, state: str) -> DeploymentRecord:
+        if not isinstance(spec, DeploymentSpec):
+            raise TypeError(f"save_deployment({name!r}) takes a raypai.deployment.DeploymentSpec, "
+                            f"got {type(spec).__name__}; build one with DeploymentSpec(model=..., version=...)")
+        data = spec.to_dict()
         with self.session() as s:
             row = s.get(m.Deployment, name)
             now = m.utcnow()
-            entry = {"at": now.isoformat(), "state": state, "spec": spec}
+            entry = {"at": now.isoformat(), "state": state, "spec": data}
             if row is None:
-                row = m.Deployment(name=name, spec=spec, state=state, history=[entry], created_at=now, updated_at=now)
+                row = m.Deployment(name=name, spec=data, state=state, history=[entry], created_at=now, updated_at=now)
                 s.add(row)
             else:
-                row.spec, row.state, row.updated_at = spec, state, now
+                row.spec, row.state, row.updated_at = data, state, now
                 row.history = [*row.history, entry][-50:]
             return _deployment(row)
 
@@ -386,9 +391,9 @@ class MetadataStore:
             if s.bind.dialect.name == "postgresql":
                 q = q.with_for_update()
             row = s.scalars(q).first()
-            if row is None or row.spec.get("canary_version") != canary_version:
+            if row is None or DeploymentSpec.from_dict(row.spec).canary_version != canary_version:
                 return False
-            spec = {**row.spec, "canary_version": None, "canary_percent": 0}
+            spec = DeploymentSpec.from_dict(row.spec).with_canary(None).to_dict()
             now = m.utcnow()
             row.spec, row.updated_at = spec, now
             row.history = [*row.history, {"at": now.isoformat(), "state": row.state, "spec": spec,
@@ -444,7 +449,8 @@ def _canary_check(r: m.CanaryCheck) -> dict:
 
 
 def _deployment(r: m.Deployment) -> DeploymentRecord:
-    return DeploymentRecord(r.name, dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at)
+    return DeploymentRecord(r.name, DeploymentSpec.from_dict(r.spec), r.state, list(r.history), r.created_at,
+                            r.updated_at)
 
 
 def _run_dict(r: m.PipelineRun, pipeline: str) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,10 +26,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raypai.errors import TrainError
+from raypai.errors import ConfigError, TrainError
+from raypai.token_shards import MANIFEST, SPLITS, TokenShardsManifest
 from raypai.train._fs import read_json, resolve
 
-SPLITS = ("train", "eval")
 COLUMNS = ["block_id", "input_ids"]
 # 16Ki tokens (64 KiB of int32) per row group: one decodes in about 0.3-0.5 ms on this project's
 # CPU host (4 × the tokens took twice as long), while the footer stays small (one entry per group).
@@ -45,20 +46,27 @@ def write_shard(path: str | Path, block_ids: np.ndarray, tokens: np.ndarray) -> 
     pq.write_table(table, path, row_group_size=max(1, ROW_GROUP_TOKENS // block))
 
 
-def read_manifest(shards_dir: str | Path) -> dict:
-    """The token-shards manifest, with the number of blocks per split counted from Parquet footers.
-    `shards_dir`: a local folder or a URI (`s3://...`)."""
-    fs, root = resolve(shards_dir)
-    manifest = read_json(fs, f"{root}/manifest.json")
-    if manifest is None:
-        raise TrainError(f"{shards_dir} is not a token-shards artifact (no manifest.json); run the tokenize step "
+def _load(fs, root: str, shards_dir) -> TokenShardsManifest:
+    raw = read_json(fs, f"{root}/{MANIFEST}")
+    if raw is None:
+        raise TrainError(f"{shards_dir} is not a token-shards artifact (no {MANIFEST}); run the tokenize step "
                          "(raypai.data) or pass the token_shards folder")
-    missing = [k for k in ("vocab_size", "block_size", "files") if k not in manifest]
-    if missing:
-        raise TrainError(f"{shards_dir}/manifest.json lacks {', '.join(missing)}; re-run the tokenize step to "
-                         "rewrite the shards")
+    try:
+        return TokenShardsManifest.from_dict(raw)
+    except ConfigError as err:
+        raise TrainError(f"{shards_dir}/{MANIFEST} is not a valid token-shards manifest:\n"
+                         + "\n".join(f"  - {p}" for p in err.problems)
+                         + "\nre-run the tokenize step to rewrite the shards") from None
+
+
+def read_manifest(shards_dir: str | Path) -> TokenShardsManifest:
+    """The token-shards manifest, its block counts (`num_blocks`, `num_eval_blocks`) counted from the
+    Parquet footers rather than trusted. `shards_dir`: a local folder or a URI (`s3://...`)."""
+    fs, root = resolve(shards_dir)
+    manifest = _load(fs, root, shards_dir)
+    counts = {}
     for split in SPLITS:
-        names = [f["file"] for f in manifest["files"] if f.get("split", "train") == split]
+        names = manifest.files_of(split)
         infos = fs.get_file_info([f"{root}/{n}" for n in names])
         absent = [f"{shards_dir}/{n}" for n, i in zip(names, infos) if i.type != pafs.FileType.File]
         if absent:
@@ -75,8 +83,8 @@ def read_manifest(shards_dir: str | Path) -> dict:
         if n == 0:
             raise TrainError(f"{shards_dir} has no {split} blocks (empty token shards); clean and tokenize more "
                              "text, or lower the tokenizer's eval fraction")
-        manifest[f"_{split}_blocks"] = n
-    return manifest
+        counts[split] = n
+    return replace(manifest, num_blocks=counts["train"], num_eval_blocks=counts["eval"])
 
 
 class TokenShards:
@@ -94,16 +102,12 @@ class TokenShards:
 
     def _open(self) -> None:
         self._fs, root = resolve(self.location)
-        manifest = read_json(self._fs, f"{root}/manifest.json")
-        if manifest is None:
-            raise TrainError(f"{self.location} is not a token-shards artifact (no manifest.json)")
-        self.block_size = int(manifest["block_size"])
+        manifest = _load(self._fs, root, self.location)
+        self.block_size = manifest.block_size
         self._files, self._meta, starts, groups = [], [], [], []
         offset = 0
-        for f in manifest["files"]:
-            if f.get("split", "train") != self.split:
-                continue
-            path = f"{root}/{f['file']}"
+        for name in manifest.files_of(self.split):
+            path = f"{root}/{name}"
             with self._fs.open_input_file(path) as fh:
                 meta = pq.read_metadata(fh)
             self._files.append(path)

@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from raypai.token_shards import ShardFile, TokenShardsManifest
 from raypai.train.data import write_shard
 
 
@@ -41,12 +41,12 @@ def write_token_shards(folder: str | Path, *, vocab: int = 64, block: int = 32, 
                 continue
             name = f"{'shard' if split == 'train' else 'eval'}-{len(files[split]):05d}.parquet"
             write_shard(folder / name, ids[keep], seqs[keep])
-            files[split].append({"file": name, "split": split, "blocks": int(keep.sum())})
+            files[split].append(ShardFile(name, split, int(keep.sum())))
         counts += np.bincount(seqs[ids >= n_eval].reshape(-1), minlength=vocab)
     p = counts[counts > 0] / counts.sum()
-    manifest = {"kind": "token_shards", "block_size": block, "num_blocks": blocks - n_eval, "num_eval_blocks": n_eval,
-                "num_tokens": (blocks - n_eval) * block, "vocab_size": vocab, "eos_id": 0,
-                "tokenizer_digest": "synthetic", "files": files["train"] + files["eval"],
-                "unigram_entropy_nats": float(-(p * np.log(p)).sum())}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
+    manifest = TokenShardsManifest(block_size=block, vocab_size=vocab, files=(*files["train"], *files["eval"]),
+                                   num_blocks=blocks - n_eval, num_eval_blocks=n_eval,
+                                   num_tokens=(blocks - n_eval) * block, eos_id=0, tokenizer_digest="synthetic",
+                                   unigram_entropy_nats=float(-(p * np.log(p)).sum()))
+    manifest.write(folder)
+    return manifest.to_dict()

@@ -39,7 +39,7 @@ def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path 
     With `strategy="auto"` the returned config carries the chosen ZeRO stage and batch split."""
     cfg = cfg.validate()
     manifest = read_manifest(shards_dir)
-    vocab, seq_len = manifest["vocab_size"], manifest["block_size"]
+    vocab, seq_len = manifest.vocab_size, manifest.block_size
     tok_vocab, pad_id = _tokenizer_info(tokenizer_dir)
     if tok_vocab is not None and tok_vocab != vocab:
         raise TrainError(f"vocab mismatch: token shards {shards_dir} were made with a {vocab}-token vocabulary but "
@@ -62,13 +62,13 @@ def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path 
     else:
         est = strategy.check_fits(n_params, cfg, seq_len, shape)
     info = {"n_params": n_params, "seq_len": seq_len, "vocab_size": vocab, "pad_id": pad_id,
-            "eos_id": manifest.get("eos_id"), "train_blocks": manifest["_train_blocks"],
-            "eval_blocks": manifest["_eval_blocks"],
+            "eos_id": manifest.eos_id, "train_blocks": manifest.num_blocks,
+            "eval_blocks": manifest.num_eval_blocks,
             "flops_per_token": flops_per_token(n_params, hf.num_hidden_layers, hf.hidden_size, seq_len),
             "memory_estimate_gb": round(est.total_gb, 4), "memory": est.as_dict(), "zero_stage": cfg.zero_stage,
             "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch,
-            "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
-            "tokenizer_digest": manifest.get("tokenizer_digest")}
+            "unigram_entropy_nats": manifest.unigram_entropy_nats,
+            "tokenizer_digest": manifest.tokenizer_digest}
     return cfg, info
 
 
