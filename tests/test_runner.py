@@ -270,3 +270,44 @@ def test_work_dir_is_kept_for_the_same_step_call_and_new_for_another(raypai_home
     assert other.ok and other.result["started_at"] == 0 and other.result["work_dir"] != resumed.result["work_dir"]
     key = MetadataStore(raypai_home.database_url).get_step_run(resumed["resumable"].step_run_id)["cache_key"]
     assert resumed.result["work_dir"].endswith(f"resumable_pipe.resumable.work-{key[:16]}")
+
+
+def test_a_step_reaches_the_metadata_store_only_through_narrow_methods(raypai_home, tmp_path):
+    """StepContext gives a step its outputs, sources, model registration and op stats; the store's
+    tokens, deployments and other runs stay out of reach."""
+    from raypai.artifacts import ArtifactStore
+
+    store = MetadataStore(raypai_home.database_url)
+    run_id = store.create_run("p", {})
+    srid = store.create_step_run(run_id, "clean", "m:clean", {}, None)
+    ctx = StepContext(raypai_home, run_id, srid, "clean", "p", store, ArtifactStore(raypai_home.artifact_uri),
+                      tracker_for(raypai_home), None)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x.txt").write_text("x")
+    art = ctx.save(tmp_path / "out", kind="dataset")
+    ctx.record_op_stats(art, [{"op_name": "dedup", "op_index": 0, "rows_in": 3, "rows_out": 2, "seconds": 0.1}])
+    ctx.store.record_op_stats(srid, art.id, [{"op_name": "len", "op_index": 1, "rows_in": 2, "rows_out": 2,
+                                              "seconds": 0.1}])
+    assert [r["op_name"] for r in store.op_stats(step_run_id=srid)] == ["dedup", "len"]
+    public = {n for n in dir(ctx.store) if not n.startswith("_")}
+    assert public == {"record_op_stats"}  # no create_token, get_deployment, list_runs, ...
+
+
+def test_the_dsl_builds_dags_without_importing_the_runner():
+    """dsl.py ↔ runner.py was an import cycle (PipelineDef.run imported the runner); runner → dsl only."""
+    import ast
+    import dataclasses
+
+    import raypai.dsl
+    from raypai.runner import StepOutcome, StepResult, run_pipeline
+
+    tree = ast.parse(Path(raypai.dsl.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "raypai.runner" not in imported
+    assert not hasattr(toy, "run") and callable(run_pipeline)
+    with pytest.raises(PipelineError, match=r"raypai.run_pipeline\(toy, ...\)"):
+        toy()
+    for frozen in (StepOutcome("succeeded"), StepResult("a", "id", "succeeded")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            frozen.state = "failed"

@@ -1,4 +1,8 @@
-"""StepContext: what a running step sees (settings, stores, its MLflow run, scratch space)."""
+"""StepContext: what a running step sees (settings, its artifacts, its MLflow run, scratch space).
+
+A step reaches the metadata store only through the narrow methods below (`save`,
+`register_source`, `register_model`, `record_op_stats`): not tokens, deployments or other runs.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,17 @@ from raypai.settings import Settings
 from raypai.tracking import RunLogger, Tracker
 
 
+class StepStore:
+    """`ctx.store`: the one metadata-store write a step makes besides its outputs, kept for steps
+    written against the whole store; new code calls `ctx.record_op_stats(artifact, rows)`."""
+
+    def __init__(self, metadata):
+        self._metadata = metadata
+
+    def record_op_stats(self, step_run_id: str, artifact_id: str, rows: list[dict]) -> None:
+        self._metadata.record_op_stats(step_run_id, artifact_id, rows)
+
+
 @dataclass
 class StepContext:
     settings: Settings
@@ -18,7 +33,7 @@ class StepContext:
     step_run_id: str
     node: str
     pipeline: str
-    store: object  # MetadataStore (typed loosely to keep this import light)
+    _metadata: object  # the runner's MetadataStore; steps use the methods below, never the store itself
     artifacts: ArtifactStore
     tracker: Tracker
     logger: RunLogger | None
@@ -27,6 +42,14 @@ class StepContext:
     key_metrics: dict = field(default_factory=dict)
     _scratch: Path | None = None
     _reporter: object = None
+
+    @property
+    def store(self) -> StepStore:
+        return StepStore(self._metadata)
+
+    def record_op_stats(self, artifact: Artifact, rows: list[dict]) -> None:
+        """Per-op data-cleaning counters for `artifact` (this step's output), shown by `raypai show`."""
+        self._metadata.record_op_stats(self.step_run_id, artifact.id, rows)
 
     @property
     def scratch(self) -> Path:
@@ -59,13 +82,13 @@ class StepContext:
     def save(self, local_dir: str | Path, *, kind: str, name: str | None = None, metadata: dict | None = None) -> Artifact:
         """Commit a folder to the artifact store and record it as produced by this step run."""
         art = self.artifacts.put_dir(local_dir, kind=kind, name=name or self.node, metadata=metadata)
-        return self.store.record_artifact(art, producer_step_run_id=self.step_run_id)
+        return self._metadata.record_artifact(art, producer_step_run_id=self.step_run_id)
 
     def register_source(self, path: str | Path, *, name: str | None = None, metadata: dict | None = None) -> Artifact:
         """Record raw input files (not copied) so lineage reaches them; returns the source artifact."""
         art = self.artifacts.register_external(path, kind="source", name=name, metadata=metadata)
-        art = self.store.record_artifact(art)
-        self.store.add_edge(self.step_run_id, art.id, f"source:{art.name}", direction="input")
+        art = self._metadata.record_artifact(art)
+        self._metadata.add_edge(self.step_run_id, art.id, f"source:{art.name}", direction="input")
         if self.logger:
             self.logger.log_dataset(art, context="source")
         return art

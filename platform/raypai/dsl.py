@@ -7,7 +7,10 @@
     def toy(n: int = 3):
         return count(write(n=n))
 
-    toy.run(n=5)          # or: raypai run toy.py:toy --param n=5
+    run_pipeline(toy, n=5)    # raypai.runner; or: raypai run toy.py:toy --param n=5
+
+This module only builds DAGs; raypai.runner executes them (the runner imports the DSL, never the
+other way round).
 """
 
 from __future__ import annotations
@@ -236,15 +239,9 @@ class PipelineDef:
             raise ConfigError(problems, what=f"parameters of pipeline {self.name!r}")
         return out
 
-    def run(self, *, settings=None, progress=None, origin_run_id: str | None = None, **params):
-        from raypai.runner import Runner
-
-        dag = self.build(**params)
-        return Runner(settings=settings, progress=progress).run(dag, origin_run_id=origin_run_id,
-                                                                source_file=inspect.getsourcefile(self.fn))
-
     def __call__(self, *args, **kwargs):
-        raise PipelineError(f"pipeline {self.name!r} is run with `{self.name}.run(...)` or `raypai run FILE:{self.name}`")
+        raise PipelineError(f"pipeline {self.name!r} is run with `raypai.run_pipeline({self.name}, ...)` or "
+                            f"`raypai run FILE:{self.name}`")
 
 
 def pipeline(fn=None, *, name: str | None = None):

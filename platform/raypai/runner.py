@@ -26,8 +26,23 @@ from raypai.store import MetadataStore
 from raypai.tracking import Tracker
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one attempt of a step, run as a Ray task, hands back to the runner: its state, the
+    artifacts it produced by output name, its small JSON-able value, key metrics, or its error."""
+
+    state: str  # succeeded | failed
+    outputs: dict = field(default_factory=dict)  # name -> Artifact
+    value: object = None
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
 class StepResult:
+    """A step call's result in a finished run (also what the progress display receives)."""
+
     node: str
     step_run_id: str
     state: str  # succeeded | cached | failed | skipped
@@ -61,6 +76,16 @@ class RunResult:
 
     def __getitem__(self, node: str) -> StepResult:
         return self.steps[node]
+
+
+def run_pipeline(pipe, *, settings: Settings | None = None, progress=None, origin_run_id: str | None = None,
+                 **params) -> RunResult:
+    """Build `pipe` (a @pipeline) with `params` and run it: `run_pipeline(toy, n=5)`."""
+    import inspect
+
+    dag = pipe.build(**params)
+    return Runner(settings=settings, progress=progress).run(dag, origin_run_id=origin_run_id,
+                                                            source_file=inspect.getsourcefile(pipe.fn))
 
 
 def tracker_for(settings: Settings) -> Tracker:
@@ -123,11 +148,13 @@ class Runner:
                     results[node] = self._skip(run_id, dag, node)
                 elif all(u in results for u in ups):
                     pending.remove(node)
-                    launched = self._start(run_id, dag, node, results, mlflow_parent, origin_run_id)
-                    if isinstance(launched, StepResult):
-                        results[node] = launched
+                    srid, cached = self._prepare(run_id, dag, node, results, origin_run_id)
+                    if cached is not None:
+                        results[node] = cached
                     else:
-                        running[launched[0]] = (node, launched[1], 0, time.time())
+                        running[self._submit(run_id, dag, node, srid, 0, results, mlflow_parent)] = (
+                            node, srid, 0, time.time())
+                        self.progress({"event": "step_started", "node": node})
             now = time.time()
             for item in [w for w in waiting_retry if w[0] <= now]:
                 waiting_retry.remove(item)
@@ -144,15 +171,14 @@ class Runner:
                 node, srid, attempt, started = running.pop(ref)
                 out = _get(ref)
                 spec = dag.nodes[node].step
-                if out["state"] == "failed" and attempt < spec.retries:
+                if out.state == "failed" and attempt < spec.retries:
                     delay = spec.retry_delay_s * (2 ** attempt)
-                    self.progress({"event": "step_retry", "node": node, "attempt": attempt + 1, "error": out["error"],
+                    self.progress({"event": "step_retry", "node": node, "attempt": attempt + 1, "error": out.error,
                                    "delay_s": delay})
                     waiting_retry.append((time.time() + delay, node, srid, attempt + 1))
                     continue
-                res = StepResult(node, srid, out["state"], {k: Artifact.from_dict(v) for k, v in out["outputs"].items()},
-                                 out.get("value"), time.time() - started, out.get("error"), out.get("traceback"),
-                                 out.get("metrics", {}), attempt + 1)
+                res = StepResult(node, srid, out.state, dict(out.outputs), out.value, time.time() - started,
+                                 out.error, out.traceback, dict(out.metrics), attempt + 1)
                 if res.state == "failed":
                     self.store.transition(srid, "failed", error=res.error, traceback=res.traceback)
                 results[node] = res
@@ -182,7 +208,9 @@ class Runner:
             self._keys_run, self._keys = run_id, KeyBuilder()
         return self._keys.components(dag.nodes[node].step, {k: _digest_view(v) for k, v in inputs.items()})
 
-    def _start(self, run_id, dag, node, results, mlflow_parent, origin_run_id):
+    def _prepare(self, run_id, dag, node, results, origin_run_id) -> tuple[str, StepResult | None]:
+        """Record the step run with its cache key; (its id, the cached result when the cache has one,
+        else None: the caller submits it)."""
         spec = dag.nodes[node].step
         inputs = self._inputs(dag, node, results)
         parts = self.cache_components(run_id, dag, node, inputs)
@@ -204,10 +232,8 @@ class Runner:
                                   metrics=src.get("metrics") or {}, mlflow_run_id=src.get("mlflow_run_id"))
             res = StepResult(node, srid, "cached", hit["outputs"], value, 0.0, metrics=src.get("metrics") or {})
             self.progress({"event": "step_finished", "node": node, "result": res})
-            return res
-        ref = self._submit(run_id, dag, node, srid, 0, results, mlflow_parent)
-        self.progress({"event": "step_started", "node": node})
-        return ref, srid
+            return srid, res
+        return srid, None
 
     def _cache_lookup(self, key: str, allowed: bool, check=None) -> tuple[dict | None, str | None]:
         """(the reusable earlier step run or None, why; None when a miss is still to be explained)."""
@@ -263,7 +289,7 @@ class Runner:
         return res
 
 
-def _execute_step_impl(payload: dict, spec, inputs: dict) -> dict:
+def _execute_step_impl(payload: dict, spec, inputs: dict) -> StepOutcome:
     """Runs inside the Ray task: one attempt of one step run, recorded from start to end."""
     import ray
 
@@ -297,8 +323,7 @@ def _execute_step_impl(payload: dict, spec, inputs: dict) -> dict:
         result = {"value": plain, "outputs": sorted(outputs)}
         store.transition(srid, "succeeded", result=result, metrics=ctx.key_metrics)
         tracker.end_run(mlflow_run, "FINISHED")
-        return {"state": "succeeded", "outputs": {k: a.to_dict() for k, a in outputs.items()}, "value": plain,
-                "metrics": ctx.key_metrics}
+        return StepOutcome("succeeded", dict(outputs), plain, dict(ctx.key_metrics))
     except BaseException as exc:  # noqa: BLE001 - a step failure is data, reported to the driver
         tb = traceback.format_exc()
         msg = f"{type(exc).__name__}: {exc}"
@@ -308,7 +333,7 @@ def _execute_step_impl(payload: dict, spec, inputs: dict) -> dict:
             tracker.end_run(mlflow_run, "FAILED")
         except Exception:  # noqa: BLE001 - tracking must not mask the step's own error
             pass
-        return {"state": "failed", "outputs": {}, "error": msg, "traceback": tb}
+        return StepOutcome("failed", error=msg, traceback=tb)
     finally:
         ctx.cleanup()
 
@@ -399,14 +424,13 @@ def _jsonable(value):
     return json.loads(canonical(value))
 
 
-def _get(ref) -> dict:
+def _get(ref) -> StepOutcome:
     import ray
 
     try:
         return ray.get(ref)
     except Exception as exc:  # noqa: BLE001 - the worker died (OOM, killed): no structured result
-        return {"state": "failed", "outputs": {}, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
-                "traceback": str(exc)}
+        return StepOutcome("failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}", traceback=str(exc))
 
 
 def _ray_job_id() -> str | None:
