@@ -62,6 +62,9 @@ class _Seq:
 class Engine:
     def __init__(self, model, tok, stop_ids: set[int], max_batch_size: int = 16):
         self.model, self.tok, self.stop_ids = model, tok, set(stop_ids)
+        # the KV cache, masks and positions live on the model's device; the sampled tokens (`last`)
+        # stay on the CPU, where sampling reads the logits and Python reads the tokens
+        self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.steps = self.tokens = 0  # decode steps run, tokens they produced (tokens/steps = mean batch)
         self.seqs: list[_Seq] = []  # row i of the cache belongs to seqs[i]
@@ -85,24 +88,27 @@ class Engine:
         if not items:
             return []
         ids, mask = left_pad([r.prompt_ids for _, r in items], self.tok.pad_token_id)  # (B2, T2)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0, masked anyway
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         new = [_Seq(k, r, gen=torch.Generator().manual_seed(r.seed) if r.seed is not None else None) for k, r in items]
         self._merge(new, cache, mask, pos[:, -1] + 1)
-        return self._advance(out.logits[:, -1].float(), rows=range(len(self.seqs) - len(new), len(self.seqs)))
+        return self._advance(out.logits[:, -1].float().cpu(), rows=range(len(self.seqs) - len(new), len(self.seqs)))
 
     @torch.no_grad()
     def step(self) -> list[Event]:
         """One decoding step for every running sequence."""
         if not self.seqs:
             return []
-        self.mask = torch.cat([self.mask, torch.ones((len(self.seqs), 1), dtype=torch.long)], dim=1)  # (B, T+1)
-        out = self.model(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=self.pos[:, None],
+        self.mask = torch.cat([self.mask, torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.device)],
+                              dim=1)  # (B, T+1)
+        out = self.model(input_ids=self.last[:, None].to(self.device), attention_mask=self.mask,
+                         position_ids=self.pos[:, None],
                          past_key_values=self.cache, use_cache=True)
         self.pos = self.pos + 1
         self.steps, self.tokens = self.steps + 1, self.tokens + len(self.seqs)
-        return self._advance(out.logits[:, -1].float(), rows=range(len(self.seqs)))
+        return self._advance(out.logits[:, -1].float().cpu(), rows=range(len(self.seqs)))
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -162,8 +168,9 @@ class Engine:
     def reset(self) -> None:
         """Drop every running sequence (after a failed forward pass)."""
         self.seqs, self.cache = [], None
-        self.mask = torch.zeros((0, 0), dtype=torch.long)
-        self.pos = self.last = torch.zeros(0, dtype=torch.long)
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(0, dtype=torch.long)
 
     def _evict(self, rows: list[int]) -> None:
         gone = set(rows)
@@ -171,9 +178,9 @@ class Engine:
         if not keep:
             self.reset()
             return
-        idx = torch.tensor(keep)
+        idx = torch.tensor(keep, device=self.device)
         self.seqs = [self.seqs[i] for i in keep]
-        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[idx]
+        self.mask, self.pos, self.last = self.mask[idx], self.pos[idx], self.last[torch.tensor(keep)]
         # Columns no remaining row attends to (padding left behind by longer, finished rows) go too.
         first = int(self.mask.any(0).float().argmax())
         self.mask = self.mask[:, first:]

@@ -88,6 +88,7 @@ def generate_batch(model, tok, reqs: list[GenRequest], stop_ids: set[int]) -> li
         groups.setdefault((r.temperature, r.top_p), []).append(i)
     for (temp, top_p), idx in groups.items():
         ids, mask = left_pad([reqs[i].prompt_ids for i in idx], tok.pad_token_id)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         greedy = is_greedy(temp)
         sampling = {} if greedy else {"temperature": temp, "top_p": top_p, "top_k": 0}
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(reqs[i].max_tokens for i in idx),
