@@ -4,6 +4,7 @@ Markers are applied here, from what a test needs, so none can be forgotten:
   postgres  - the test uses the PostgreSQL server (fixture pg_server_url / pg_url, or db_url's
               "postgresql" case); skipped, and said so loudly at the end, without RAYPAI_TEST_DATABASE_URL
   slow      - the end-to-end runs under tests/e2e/ (`pytest -m "not slow"` for a quick pass)
+  gpu       - needs CUDA (set on the test itself, with a skipif naming the reason)
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ _LONGEST_FIRST = ("alignment/test_families.py", "train/test_pretrain.py", "e2e/t
 def _file_rank(item) -> int:
     path = item.path.as_posix()
     return next((i for i, name in enumerate(_LONGEST_FIRST) if path.endswith("tests/" + name)), len(_LONGEST_FIRST))
+
+
+def pytest_configure(config):
+    # registered here rather than in pyproject.toml's list, next to the rule that applies the others
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped with the reason where there is none")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,10 +82,19 @@ def test_sampling_respects_max_tokens_and_seed(model_tok):
     assert texts[0].completion_tokens == 5 and texts[0].finish_reason == "length" and texts[0].text == texts[1].text
 
 
-def test_continuous_batching_matches_one_request_at_a_time(model_tok):
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs this check on a GPU machine)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_continuous_batching_matches_one_request_at_a_time(model_tok, device):
     """Requests joining a running batch at different steps (different prompt lengths and padding,
-    rows leaving early) decode exactly what HF `generate` gives each request alone."""
+    rows leaving early) decode exactly what HF `generate` gives each request alone; with the model
+    on a GPU too (cache, masks and positions on its device)."""
+    import copy
+
     model, tok = model_tok
+    model = model if device == "cpu" else copy.deepcopy(model).to(device)
     texts = ["the quick brown fox", "1+2=", "the lazy dog jumps over the quick brown", "3", "over the lazy"]
     reqs = [GenRequest(tok(t)["input_ids"], max_tokens=m, temperature=0.0) for t, m in zip(texts, (9, 3, 7, 12, 5))]
     expected = [generate_batch(model, tok, [r], {tok.eos_token_id})[0] for r in reqs]
