@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import os
 import queue
 import threading
 import time
@@ -40,7 +39,6 @@ class ModelServer:
         from raypai.tracking import Tracker
 
         torch.set_num_threads(threads)
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         path = Tracker(tracking_uri).download_model(model, version)  # registry only, never a caller's path
         self.model_name, self.version = model, version
         self.tok = AutoTokenizer.from_pretrained(path)

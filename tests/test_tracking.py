@@ -39,3 +39,33 @@ def test_runs_metrics_datasets_and_registry(tmp_path):
         tracker.resolve_model("tiny", "prod")
     with pytest.raises(StoreError, match="not a Hugging Face model folder"):
         tracker.register_model(tmp_path / "data", "tiny")
+
+
+def test_library_functions_read_no_settings(tmp_path, monkeypatch):
+    """download_model without a cache folder uses the user cache, not raypai's Settings: it works
+    while the raypai environment is invalid (Settings.load() would raise)."""
+    from raypai.errors import ConfigError
+    from raypai.settings import Settings
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", artifact_root=tmp_path / "mlart")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    tracker.register_model(tmp_path / "model", "tiny")
+    monkeypatch.setenv("RAYPAI_RAY_NUM_CPUS", "lots")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(ConfigError):
+        Settings.load()
+    local = tracker.download_model("tiny", "1")
+    assert local.parent.parent == tmp_path / "xdg" / "raypai" / "models"
+
+
+def test_importing_tracking_leaves_the_environment_alone(tmp_path):
+    """Telemetry is switched off when the first MLflow client is made, not as an import side effect."""
+    import subprocess
+    import sys
+
+    code = ("import os, raypai.tracking as t; assert 'MLFLOW_DISABLE_TELEMETRY' not in os.environ, 'import wrote it'; "
+            f"t.Tracker('sqlite:///{tmp_path}/m.db').client; assert os.environ['MLFLOW_DISABLE_TELEMETRY'] == 'true'")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,7 +2,7 @@
 
     store = ArtifactStore("/data/artifacts")            # or "s3://bucket/prefix"
     art = store.put_dir("out/", kind="dataset", name="clean")
-    art.local_path()                                     # folder with the files
+    store.open_artifact(art)                             # folder with the files (remote ones cached)
 
 Layout: `<root>/<kind>/<digest>/...files` plus a `_RAYPAI_COMMITTED.json` marker written last.
 A folder without the marker is invisible (a crash mid-write leaves no half artifact); on local
@@ -33,6 +33,14 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 8 << 20  # 8 MiB: large enough that S3 writes go multipart, small enough for memory
 
 
+def default_cache_dir(kind: str) -> Path:
+    """Where downloads go when the caller names no cache folder: `$XDG_CACHE_HOME/raypai/<kind>`
+    (`~/.cache/raypai/<kind>`). Library code never reads raypai's Settings; entry points pass
+    `settings.home / "cache"` where they want the cache under RAYPAI_HOME."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "raypai" / kind
+
+
 @dataclass(frozen=True)
 class Artifact:
     """A record of one immutable output. Travels between steps; the files stay in the store."""
@@ -47,13 +55,14 @@ class Artifact:
     producer_step_run_id: str | None = None
 
     def local_path(self, cache_dir: str | Path | None = None) -> Path:
-        """A local folder (or file, for a single-file source) holding this artifact's content."""
+        """A local folder (or file, for a single-file source) holding this artifact's content. A
+        remote artifact is downloaded into `cache_dir` (`ArtifactStore.open_artifact` passes the store's,
+        `$RAYPAI_HOME/cache`); without one, into the user cache (`default_cache_dir("artifacts")`).
+        Content-addressed by digest, so any cache folder is safe to share."""
         if _is_local(self.uri):
             return Path(_local(self.uri))
         if cache_dir is None:
-            from raypai.settings import Settings
-
-            cache_dir = Settings.load().home / "cache"
+            cache_dir = default_cache_dir("artifacts")
         target = Path(cache_dir) / self.digest
         if (target / MARKER).exists():
             return target

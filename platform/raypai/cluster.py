@@ -101,17 +101,13 @@ def export_clean_tree(root: Path, dest: Path, ref: str | None = None) -> str:
     return h.hexdigest()
 
 
-def build_wheel(source: str | Path | None = None, out_dir: str | Path | None = None, ref: str | None = None) -> Path:
+def build_wheel(out_dir: str | Path, *, source: str | Path | None = None, ref: str | None = None) -> Path:
     """Build the raypai wheel from a clean copy of the package folders; returns the .whl path.
 
-    Wheels are cached under `out_dir` (default `$RAYPAI_HOME/wheels`) by the content that goes
-    into them, so an unchanged tree is not rebuilt.
+    Wheels are cached under `out_dir` (`raypai submit` passes `$RAYPAI_HOME/wheels`) by the content
+    that goes into them, so an unchanged tree is not rebuilt.
     """
     root = Path(source).resolve() if source else source_root()
-    if out_dir is None:
-        from raypai.settings import Settings
-
-        out_dir = Settings.load().home / "wheels"
     with tempfile.TemporaryDirectory(prefix="raypai-wheel-") as tmp:
         clean = Path(tmp) / "src"
         target = Path(out_dir) / export_clean_tree(root, clean, ref)[:16]
@@ -220,15 +216,13 @@ def _client(address: str, token: str | None):
         raise
 
 
-def submit(entrypoint: str, address: str = DEFAULT_ADDRESS, *, wheel: str | Path | None = None,
+def submit(entrypoint: str, address: str = DEFAULT_ADDRESS, *, wheel: str | Path,
            working_dir: str | Path | None = None, env: dict | None = None, settings=None, token: str | None = None,
            forward_credentials: bool = False, wait: bool = True, timeout_s: float | None = None,
            echo=None) -> SubmittedJob:
-    """Submit `entrypoint` with raypai shipped as a wheel; optionally wait and return the logs.
-
-    `echo(text)` receives new log lines while waiting (the CLI prints them).
+    """Submit `entrypoint` with raypai shipped as `wheel` (build_wheel); optionally wait and return
+    the logs. `echo(text)` receives new log lines while waiting (the CLI prints them).
     """
-    wheel = wheel or build_wheel()
     client = _client(address, token)
     renv = runtime_env(wheel, env=env, settings=settings, working_dir=working_dir,
                        forward_credentials=forward_credentials)
@@ -287,15 +281,15 @@ def submit_command(
     """Run a pipeline on a Ray cluster through the Jobs API, with raypai shipped as a wheel."""
     from rich.console import Console
 
+    from raypai.settings import Settings
+
     console = Console(stderr=True)
+    s = Settings.load()  # this command is an entry point: settings are read here, once
     parse_assignments(param, flag="--param")  # malformed values fail here, not on the cluster
     entrypoint, folder = pipeline_entrypoint(target, param)
-    wheel = wheel or build_wheel(ref=ref)
+    wheel = wheel or build_wheel(s.home / "wheels", ref=ref)
     console.print(f"wheel: {wheel}")
     if not _is_loopback(address):
-        from raypai.settings import Settings
-
-        s = Settings.load()
         if s.database_url.startswith("sqlite") or "://" not in s.artifact_uri:
             console.print("[yellow]note:[/] this machine's SQLite database / local artifact folder are not visible "
                           "to a remote cluster; point RAYPAI_DATABASE_URL and RAYPAI_ARTIFACT_URI at shared services "

@@ -102,7 +102,7 @@ class StepContext:
 
         tags = lineage_tags(model, run_id=self.run_id, step_run_id=self.step_run_id, pipeline=self.pipeline,
                             inputs=inputs)
-        return self.tracker.register_model(local_dir or model.local_path(), name, tags=tags, alias=alias,
+        return self.tracker.register_model(local_dir or self.artifacts.open_artifact(model), name, tags=tags, alias=alias,
                                            run_id=self.logger.run_id if self.logger else None)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:

@@ -278,12 +278,9 @@ def status(cfg: ServicesConfig) -> list[ServiceState]:
     return out
 
 
-def load_config(home: Path | None = None, **overrides) -> ServicesConfig:
-    """The config of the last `up` under this home (so `status`/`down` find its ports), with overrides."""
-    if home is None:
-        from raypai.settings import Settings
-
-        home = Settings.load().home
+def load_config(home: Path, **overrides) -> ServicesConfig:
+    """The config of the last `up` under `home` (RAYPAI_HOME; so `status`/`down` find its ports),
+    with overrides."""
     state = Path(home) / "services" / "state.json"
     saved = json.loads(state.read_text())["config"] if state.exists() else {}
     saved.pop("home", None)
@@ -313,6 +310,13 @@ services_app = typer.Typer(help="Local S3 + MLflow (PostgreSQL backend) servers:
                            no_args_is_help=True)
 
 
+def _home() -> Path:
+    """RAYPAI_HOME for the `raypai services` commands (entry points: settings are read here)."""
+    from raypai.settings import Settings
+
+    return Settings.load().home
+
+
 @services_app.command("up")
 def up_command(
     postgres_url: str = typer.Option(None, help="an existing database on the server [postgresql+psycopg://"
@@ -322,7 +326,7 @@ def up_command(
     bucket: str = typer.Option(None, help="S3 bucket for artifacts [raypai]"),
 ):
     """Start the S3 and MLflow servers (PostgreSQL backend) and print the variables to export."""
-    cfg = load_config(postgres_url=postgres_url, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket)
+    cfg = load_config(_home(), postgres_url=postgres_url, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket)
     cfg = with_free_ports(cfg, pinned={k for k, v in {"mlflow_port": mlflow_port, "s3_port": s3_port}.items() if v})
     env = up(cfg)
     typer.echo(f"S3 server {cfg.s3_endpoint} (bucket {cfg.bucket}); MLflow {cfg.mlflow_uri} "
@@ -335,14 +339,14 @@ def up_command(
 @services_app.command("env")
 def env_command():
     """Print the `export` lines for the running services: eval "$(raypai services env)"."""
-    for k, v in service_env(load_config()).items():
+    for k, v in service_env(load_config(_home())).items():
         typer.echo(f"export {k}={v}")
 
 
 @services_app.command("status")
 def status_command():
     """Health of each service; exit code 1 unless all are healthy."""
-    states = status(load_config())
+    states = status(load_config(_home()))
     for s in states:
         mark = "healthy" if s.healthy else ("running, unhealthy" if s.running else "stopped")
         typer.echo(f"{s.name:7s} {mark:18s} {s.url}  pid={s.pid or '-'}  ({s.detail})  log={s.log}")
@@ -353,5 +357,5 @@ def status_command():
 @services_app.command("down")
 def down_command():
     """Stop the services started by `raypai services up` (S3 data is in memory and goes with it)."""
-    stopped = down(load_config())
+    stopped = down(load_config(_home()))
     typer.echo(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")

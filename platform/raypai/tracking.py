@@ -18,14 +18,17 @@ import time
 import uuid
 from pathlib import Path
 
-from raypai.artifacts import Artifact
+from raypai.artifacts import Artifact, default_cache_dir
 from raypai.errors import NotFoundError, StoreError
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "true")
+# MLflow's telemetry is off in every process that talks to MLflow through raypai; the variables are
+# set when the first client is made (MLflow reads them then), never as a side effect of an import.
+TELEMETRY_OFF = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 
 
 def _client(uri: str):
+    for k, v in TELEMETRY_OFF.items():
+        os.environ.setdefault(k, v)
     from mlflow.tracking import MlflowClient
 
     if uri.startswith("sqlite:///"):  # MLflow creates the database file, not its folder
@@ -213,15 +216,15 @@ class Tracker:
         return self.client.get_model_version(name, str(version)).source
 
     def download_model(self, name: str, ref: str | int, cache_dir: str | Path | None = None) -> Path:
-        """Local HF folder of a registered model version (cached per registry, name, version and source)."""
+        """Local HF folder of a registered model version (cached per registry, name, version and source)
+        under `cache_dir` (entry points pass `settings.home / "cache" / "models"`; default: the user
+        cache, `default_cache_dir("models")`)."""
         import mlflow.artifacts
 
         version, _ = self.resolve_model(name, ref)
         source = self.client.get_model_version(name, str(version)).source
         if cache_dir is None:
-            from raypai.settings import Settings
-
-            cache_dir = Settings.load().home / "cache" / "models"
+            cache_dir = default_cache_dir("models")
         # The key names the registry and the version's source, not just name/version: an embedded
         # registry and an MLflow server used under one RAYPAI_HOME both have a `tinychat` version 1,
         # and a re-created model restarts at 1; either would otherwise serve the other's weights.

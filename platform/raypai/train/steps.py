@@ -44,8 +44,8 @@ def pretrain(ctx: StepContext, shards: Artifact, tokenizer: Artifact, steps: int
     ctx.progress(f"pretraining {cfg.steps} steps on {cfg.workers} Ray Train workers")
     # Train workers read their blocks from the shard files: the local folder of a local store, else
     # the artifact's URI (workers on other nodes read row groups from the object store, no copy)
-    shards_at = shards.uri if _fs.is_remote(shards.uri) else shards.local_path()
-    res = run_pretrain(shards_at, tokenizer.local_path(), out, cfg, name=f"pretrain-{ctx.work_key()}",
+    shards_at = shards.uri if _fs.is_remote(shards.uri) else ctx.artifacts.open_artifact(shards)
+    res = run_pretrain(shards_at, ctx.artifacts.open_artifact(tokenizer), out, cfg, name=f"pretrain-{ctx.work_key()}",
                        storage_path=ctx.settings.home / "train", logger=ctx.logger, lineage=lineage,
                        progress=ctx.progress_reporter())
     m, info = res["metrics"], res["info"]
