@@ -17,6 +17,8 @@ from typing import List, Optional
 
 import typer
 
+from raypai import exits
+
 deploy_app = typer.Typer(help="Deployments (talks to the deploy API over HTTP).", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens (stored hashed; shown once).", no_args_is_help=True)
 
@@ -39,14 +41,14 @@ def _api(method: str, path: str, body: dict | None = None):
                           timeout=600)
     except httpx.ConnectError:
         typer.echo(f"deploy API not reachable at {url}: start it with `raypai server` or set RAYPAI_API_URL", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(exits.FAILED) from None
     if r.status_code >= 400:
         try:
             msg = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             msg = r.text or r.reason_phrase
         typer.echo(f"error {r.status_code}: {msg}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(exits.FAILED)
     if r.content:
         typer.echo(json.dumps(r.json(), indent=1, default=str))
 
@@ -59,7 +61,7 @@ def token_create(name: str, scope: List[str] = typer.Option(["infer"], help="dep
     bad = [s for s in scope if s not in SCOPES]
     if bad:
         typer.echo(f"unknown scope(s) {bad}; use {SCOPES}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(exits.REFUSED)
     token = MetadataStore(_settings().database_url).create_token(name, scope)
     typer.echo(token)
     typer.echo(f"(token {name!r} with scopes {scope}: shown once, stored hashed)", err=True)

@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 import typer
 
+from raypai import exits
 from raypai.config import parse_assignments
 from raypai.errors import ConfigError, PipelineError
 
@@ -303,4 +304,4 @@ def submit_command(
             shutil.rmtree(folder, ignore_errors=True)
     console.print(f"job {job.job_id} at {address}" + (f": {job.status}" if job.status else " submitted"))
     if job.status and job.status != "SUCCEEDED":
-        raise typer.Exit(1)
+        raise typer.Exit(exits.FAILED)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import typer
 
+from raypai import exits
 from raypai.errors import ConfigError, StoreError
 
 __all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up",
@@ -351,7 +352,7 @@ def status_command():
         mark = "healthy" if s.healthy else ("running, unhealthy" if s.running else "stopped")
         typer.echo(f"{s.name:7s} {mark:18s} {s.url}  pid={s.pid or '-'}  ({s.detail})  log={s.log}")
     if not all(s.healthy for s in states):
-        raise typer.Exit(1)
+        raise typer.Exit(exits.FAILED)
 
 
 @services_app.command("down")

@@ -57,6 +57,7 @@ def test_failure_then_resume_from_cli(cli, tmp_path):
     marker = tmp_path / "broken"
     marker.write_text("1")
     failed = cli("run", TOY, "--param", f"fail_if_exists={marker}", ok=False)
+    assert failed.returncode == 1  # the run failed (raypai.exits.FAILED)
     assert "transform failed" in failed.stdout and "Traceback" in failed.stdout and "raypai resume" in failed.stdout
     run_id = re.search(r"raypai resume ([0-9a-f]+)", failed.stdout).group(1)
     marker.unlink()
@@ -68,10 +69,14 @@ def test_failure_then_resume_from_cli(cli, tmp_path):
 def test_bad_input_gives_one_clear_error_without_traceback(cli, tmp_path):
     out = cli("run", TOY, "--param", "colour=red", ok=False)
     assert "unknown parameter 'colour'" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    assert out.returncode == 2  # refused before any work (raypai.exits.REFUSED)
     out = cli("run", str(tmp_path / "nope.py"), ok=False)
-    assert "not found" in out.stdout
-    out = cli("run", TOY, "--param", "n", ok=False)
-    assert "KEY=VALUE" in out.stdout
+    assert "not found" in out.stdout and out.returncode == 2
+    out = cli("run", TOY, "--param", "n", "--param", "m", ok=False)
+    assert "--param 'n' is not KEY=VALUE" in out.stdout and "--param 'm' is not KEY=VALUE" in out.stdout
+    assert out.returncode == 2
+    out = cli("show", "0123456789ab", ok=False)
+    assert "not found (no runs are recorded yet)" in out.stdout and out.returncode == 2
 
 
 def test_doctor_reports_every_check(cli):

@@ -34,8 +34,29 @@ def test_runs_and_step_state_transitions(db_url):
     assert store.pipeline_source("pipe") == "p.py"
     with pytest.raises(StoreError, match="unknown step state"):
         store.transition(sid, "exploded")
-    with pytest.raises(NotFoundError, match="raypai runs"):
+    with pytest.raises(NotFoundError, match=r"not found \(newest runs: [0-9a-f]{12} \([\w-]+, \w+\).*raypai runs"):
         store.get_run("0" * 32)
+
+
+def test_lookups_that_miss_name_what_exists(tmp_path):
+    store = MetadataStore(f"sqlite:///{tmp_path}/meta.db")
+    with pytest.raises(NotFoundError, match=r"no runs are recorded yet\); list runs with `raypai runs`"):
+        store.get_run("abc")
+    with pytest.raises(NotFoundError, match=r"newest: the store holds none yet\); list them with `raypai artifacts`"):
+        store.get_artifact("abcdef")
+    with pytest.raises(NotFoundError, match=r"no token named 'ci' \(tokens: none yet\)"):
+        store.revoke_token("ci")
+    run = store.create_run("toy", {})
+    art = store.record_artifact(_art("dataset", "clean"))
+    store.create_token("deployer", ["deploy"])
+    with pytest.raises(NotFoundError, match=rf"newest runs: {run[:12]} \(toy, \w+\)"):
+        store.get_run("zzz")
+    with pytest.raises(NotFoundError, match=rf"newest: {art.id[:12]} \(dataset clean\)"):
+        store.get_artifact("ffffff")
+    with pytest.raises(NotFoundError, match=r"tokens: deployer\)"):
+        store.revoke_token("ci")
+    with pytest.raises(NotFoundError, match="`raypai show RUN_ID` lists a run's step runs"):
+        store.get_step_run("nope")
 
 
 def test_artifacts_edges_cache_lookup_and_lineage(db_url):

@@ -47,6 +47,6 @@ def test_raypai_train_rejects_a_bad_config_before_starting_ray(shards, tmp_path)
     folder, _ = shards
     (tmp_path / "bad.yaml").write_text("steps: 0\nmicro_batchh: 8\n")
     out = _raypai(tmp_path, "train", folder, tmp_path / "model", "--config", tmp_path / "bad.yaml")
-    assert out.returncode == 1
+    assert out.returncode == 2  # refused before any work (raypai.exits.REFUSED)
     assert "micro_batchh" in out.stderr and "steps" in out.stderr, out.stderr
     assert not (tmp_path / "model").exists()

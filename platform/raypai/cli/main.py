@@ -18,6 +18,7 @@ from typing import Optional
 
 import typer
 
+from raypai import exits
 from raypai.cli.render import Progress, console, lineage_tree, runs_table, steps_table, summary_table
 from raypai.config import parse_assignments
 from raypai.errors import NotFoundError, PipelineError, RaypaiError
@@ -64,7 +65,7 @@ def finish_run(result) -> None:
                 console.print(f"[dim]{r.traceback.strip()[-3000:]}[/]")
     if result.state == "failed":
         console.print(f"fix the cause, then: [bold]raypai resume {result.run_id[:12]}[/]")
-        raise typer.Exit(1)
+        raise typer.Exit(exits.FAILED)
 
 
 @app.command()
@@ -253,7 +254,7 @@ def ray_status():
     for name, ep in state.endpoints.items():
         console.print(f"{name:10s} {ep.url}  pid {ep.pid}")
     console.print(f"[dim]recorded in {state_path(s)}[/]")
-    raise typer.Exit(0 if state.head is not None else 1)
+    raise typer.Exit(exits.OK if state.head is not None else exits.FAILED)
 
 
 @ray_app.command("stop")
@@ -279,7 +280,7 @@ def doctor():
     for name, passed, detail in run_checks(_settings()):
         ok &= passed
         console.print(f"{'[green]✓' if passed else '[red]✗'} {name}[/]  {detail}")
-    raise typer.Exit(0 if ok else 1)
+    raise typer.Exit(exits.OK if ok else exits.FAILED)
 
 
 @db_app.command("upgrade")
@@ -342,6 +343,6 @@ def main() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     try:
         app()
-    except RaypaiError as exc:
+    except RaypaiError as exc:  # raypai refused: one message naming the fix, no traceback (raypai.cli.exits)
         console.print(f"[red]error:[/] {exc}")
-        sys.exit(2)
+        sys.exit(exits.REFUSED)

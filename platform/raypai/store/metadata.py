@@ -139,7 +139,7 @@ class MetadataStore:
         with self.session() as s:
             run = s.get(m.PipelineRun, run_id)
             if run is None:
-                raise NotFoundError(f"run {run_id} not found; list runs with `raypai runs`")
+                raise NotFoundError(f"run {run_id} not found ({_recent_runs(s)}); list runs with `raypai runs`")
             for k, v in fields.items():
                 setattr(run, k, v)
             if fields.get("state") in ("succeeded", "failed"):
@@ -152,7 +152,7 @@ class MetadataStore:
             if row is None:
                 row = s.execute(q.where(m.PipelineRun.id.like(f"{run_id}%"))).first()
             if row is None:
-                raise NotFoundError(f"run {run_id!r} not found; list runs with `raypai runs`")
+                raise NotFoundError(f"run {run_id!r} not found ({_recent_runs(s)}); list runs with `raypai runs`")
             return _run_dict(*row)
 
     def pipeline_source(self, pipeline: str) -> str | None:
@@ -187,7 +187,7 @@ class MetadataStore:
         with self.session() as s:
             sr = s.get(m.StepRun, step_run_id)
             if sr is None:
-                raise NotFoundError(f"step run {step_run_id} not found")
+                raise NotFoundError(f"step run {step_run_id} not found; `raypai show RUN_ID` lists a run's step runs")
             sr.state = state
             now = m.utcnow()
             if state == "running":
@@ -208,7 +208,7 @@ class MetadataStore:
         with self.session() as s:
             r = s.get(m.StepRun, step_run_id)
             if r is None:
-                raise NotFoundError(f"step run {step_run_id} not found")
+                raise NotFoundError(f"step run {step_run_id} not found; `raypai show RUN_ID` lists a run's step runs")
             return _step_dict(r)
 
     def step_events(self, step_run_id: str) -> list[tuple[str, object]]:
@@ -263,7 +263,10 @@ class MetadataStore:
                 q = select(m.ArtifactRow).where((m.ArtifactRow.id.like(f"{ref}%")) | (m.ArtifactRow.digest.like(f"{ref}%")))
                 row = s.scalar(q.order_by(m.ArtifactRow.created_at.desc()).limit(1))
             if row is None:
-                raise NotFoundError(f"artifact {ref!r} not found; list them with `raypai artifacts`")
+                newest = s.scalars(select(m.ArtifactRow).order_by(m.ArtifactRow.created_at.desc()).limit(5)).all()
+                known = ", ".join(f"{a.id[:12]} ({a.kind} {a.name})" for a in newest) or "the store holds none yet"
+                raise NotFoundError(f"artifact {ref!r} not found by id, id prefix or digest prefix (newest: {known}); "
+                                    "list them with `raypai artifacts`")
             return _artifact(row)
 
     def list_artifacts(self, kind: str | None = None, limit: int = 50) -> list[Artifact]:
@@ -345,7 +348,9 @@ class MetadataStore:
         with self.session() as s:
             row = s.scalar(select(m.ApiToken).where(m.ApiToken.name == name))
             if row is None:
-                raise NotFoundError(f"no token named {name!r}; see `raypai token list`")
+                names = s.scalars(select(m.ApiToken.name).order_by(m.ApiToken.id)).all()
+                raise NotFoundError(f"no token named {name!r} (tokens: {', '.join(names) or 'none yet'}); "
+                                    "see `raypai token list`")
             row.revoked_at = m.utcnow()
 
     # ---- deployments (desired state: raypai.deployment.DeploymentSpec, stored as its JSON) ---------
@@ -446,6 +451,15 @@ def _artifact(r: m.ArtifactRow) -> Artifact:
 def _canary_check(r: m.CanaryCheck) -> dict:
     return {c: getattr(r, c) for c in ("id", "deployment", "stable_version", "canary_version", "decision", "reason",
                                        "stats", "action", "at")}
+
+
+def _recent_runs(s: Session, n: int = 5) -> str:
+    """The newest runs, for a not-found message: "newest runs: 1a2b3c4d (toy, failed), …"."""
+    rows = s.execute(select(m.PipelineRun.id, m.Pipeline.name, m.PipelineRun.state).join(m.Pipeline)
+                     .order_by(m.PipelineRun.started_at.desc()).limit(n)).all()
+    if not rows:
+        return "no runs are recorded yet"
+    return "newest runs: " + ", ".join(f"{rid[:12]} ({name}, {state})" for rid, name, state in rows)
 
 
 def _deployment(r: m.Deployment) -> DeploymentRecord:

@@ -13,6 +13,8 @@ from typing import Optional
 
 import typer
 
+from raypai import exits
+
 
 def train_command(
     shards_dir: Path = typer.Argument(..., help="token-shards folder (manifest.json + shard-*.parquet)"),
@@ -45,7 +47,7 @@ def train_command(
                        resume=not fresh)
     except RaypaiError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from exc
+        raise typer.Exit(exits.REFUSED) from exc
     finally:
         if ray.is_initialized():
             ray.shutdown()
