@@ -10,4 +10,4 @@ import torch.nn.functional as F
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0):
     """chosen, rejected: (B,) scalar rewards. Returns (loss, accuracy)."""
     loss = -F.logsigmoid(chosen - rejected - margin).mean()
-    return loss, (chosen > rejected).float().mean()
+    return loss, (chosen > rejected).to(chosen.dtype).mean()  # in the rewards' dtype and device
