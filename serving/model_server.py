@@ -43,6 +43,10 @@ class ModelServer:
         self.model_name, self.version = model, version
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+        # a replica given GPUs (DeploymentSpec.gpus; Ray sets CUDA_VISIBLE_DEVICES) serves from the
+        # first of them, in the model's saved dtype; a CPU replica sees no CUDA device
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device)
         self.context_window = context_length(self.model.config)
         # stop tokens from the tokenizer, generation_config and the chat template's end-of-turn (raypai.chat)
         self.chat = ChatFormat.from_pretrained(path, tokenizer=self.tok)
