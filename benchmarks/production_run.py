@@ -66,7 +66,7 @@ def _chain(tree: dict) -> list[str]:
 
 
 def _kinds(tree: dict, path: str = "") -> dict[str, str]:
-    """The artifact kind at each path of `raypai.parity.lineage_digests`."""
+    """The artifact kind at each path of `raypai.tools.parity.lineage_digests`."""
     here = path or tree["artifact"]["name"]
     out = {here: tree["artifact"]["kind"]}
     for inp in (tree.get("produced_by") or {}).get("inputs", []):
@@ -84,8 +84,8 @@ def run_mode(mode: str, out_path: Path) -> None:
     import ray
     from ray import serve
 
-    from raypai.lineage_deploy import deployment_lineage
-    from raypai.parity import lineage_digests, lineage_shape, mlflow_shape, registry_shape
+    from raypai.lineage.deploy import deployment_lineage
+    from raypai.tools.parity import lineage_digests, lineage_shape, mlflow_shape, registry_shape
     from raypai.pipelines.tinychat import tinychat
     from raypai.runner import Runner, tracker_for
     from raypai.serving.control import serve_port
@@ -178,7 +178,7 @@ def _alias_ok(rec: dict) -> bool:
 
 
 def compare(prod: dict, emb: dict) -> None:
-    from raypai.parity import differences
+    from raypai.tools.parity import differences
 
     for key in ("lineage_shape", "mlflow"):
         diffs = differences(prod.get(key), emb.get(key))
@@ -213,8 +213,8 @@ def main() -> None:
     if args.mode_run:
         return run_mode(args.mode_run, Path(args.out))
 
-    from raypai.parity import differences
-    from raypai.services import ServicesConfig, down, up
+    from raypai.tools.parity import differences
+    from raypai.tools.services import ServicesConfig, down, up
 
     work = Path(tempfile.mkdtemp(prefix="raypai-prodrun-"))
     tag = uuid.uuid4().hex[:8]

@@ -79,7 +79,7 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
     async def delete(name: str):
         await call(ctl.delete, name)
 
-    from raypai.lineage_api import lineage_router
+    from raypai.lineage.api import lineage_router
 
     app.include_router(lineage_router(settings, ctl.store, dependencies=[Depends(require_deploy)]))
     return app

@@ -254,7 +254,7 @@ def test_runtime_json_is_what_load_state_reads(tmp_path):
 
 
 def test_services_move_off_taken_default_ports_unless_pinned(tmp_path):
-    from raypai.services import ServicesConfig, with_free_ports
+    from raypai.tools.services import ServicesConfig, with_free_ports
 
     cfg = ServicesConfig(home=tmp_path)
     with hold(cfg.mlflow_port, cfg.s3_port):

@@ -1,6 +1,6 @@
 """The deployment spec: the desired state of one deployment, as the metadata store keeps it, the
 control plane (raypai.serving.control) applies it to Ray Serve, the router reads it to route, and
-lineage (raypai.lineage_deploy) follows it to the served model versions.
+lineage (raypai.lineage.deploy) follows it to the served model versions.
 
     spec = DeploymentSpec(model="tinychat", version=3)
     spec = spec.with_canary(4, percent=10)        # frozen: every change is a new spec

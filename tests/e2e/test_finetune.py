@@ -19,7 +19,7 @@ from raypai.store import MetadataStore
 def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(raypai_home, tmp_path):
     from ray import serve
 
-    from raypai.lineage_deploy import deployment_lineage
+    from raypai.lineage.deploy import deployment_lineage
 
     inputs = example_inputs(tmp_path / "user")
     # the gate is off here so the endpoint is always there to query; register still records the decision

@@ -3,7 +3,7 @@ queried over HTTP, and the lineage chain from the deployment back to the raw fil
 
 import httpx
 
-from raypai.lineage_deploy import deployment_lineage
+from raypai.lineage.deploy import deployment_lineage
 from raypai.pipelines.tinychat import tinychat
 from raypai.runner import Runner
 from raypai.serving.control import serve_port

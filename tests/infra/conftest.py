@@ -50,7 +50,7 @@ def running_services(tmp_path_factory, pg_server_url):
 
     from sqlalchemy import create_engine, text
 
-    from raypai.services import ServicesConfig, down, up
+    from raypai.tools.services import ServicesConfig, down, up
 
     tag = uuid.uuid4().hex[:8]
     cfg = ServicesConfig(home=tmp_path_factory.mktemp("services"), postgres_url=pg_server_url,

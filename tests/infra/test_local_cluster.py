@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from raypai.cluster import build_wheel, submit
+from raypai.tools.cluster import build_wheel, submit
 from raypai.errors import PipelineError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_raypai_submit_ships_the_pipeline_file_and_reports_the_jobs_outcome(clus
     import typer
     from typer.testing import CliRunner
 
-    from raypai.cluster import submit_command
+    from raypai.tools.cluster import submit_command
 
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(cluster["token"]))
     monkeypatch.setenv("RAYPAI_HOME", str(tmp_path / "home"))

@@ -113,7 +113,7 @@ def test_compose_wires_mlflow_to_postgres_and_the_s3_bucket():
 
 def test_compose_ports_and_exports_match_raypai_services_defaults():
     """`docker compose up` and `raypai services up` are interchangeable for a client."""
-    from raypai.services import ServicesConfig, service_env
+    from raypai.tools.services import ServicesConfig, service_env
 
     services = _compose()["services"]
     published = {int(p.split(":")[0]) for s in services.values() for p in s.get("ports", [])}

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from raypai.lineage import upstream
-from raypai.parity import differences, lineage_digests, lineage_shape, mlflow_shape, registry_shape
+from raypai.tools.parity import differences, lineage_digests, lineage_shape, mlflow_shape, registry_shape
 from raypai.pipelines.toy import toy
 from raypai.runner import Runner, tracker_for
 from raypai.settings import Settings

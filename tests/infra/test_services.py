@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from raypai.errors import ConfigError, StoreError
-from raypai.services import ServicesConfig, down, status, up
+from raypai.tools.services import ServicesConfig, down, status, up
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raypai.cluster import auth_headers, build_wheel, export_clean_tree, runtime_env, wheel_modules
+from raypai.tools.cluster import auth_headers, build_wheel, export_clean_tree, runtime_env, wheel_modules
 from raypai.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def test_wheel_holds_every_mapped_subpackage_and_nothing_else(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for must in ("raypai/__init__.py", "raypai/data/__init__.py", "raypai/serving/__init__.py",
                  "raypai/alignment/__init__.py", "raypai/pipelines/tinychat.py", "raypai/train/__init__.py",
-                 "raypai/cluster.py", "raypai/services.py"):
+                 "raypai/tools/cluster.py", "raypai/tools/services.py"):
         assert must in names, must
     missing = sorted(set(_mapped_sources()) - names)
     assert not missing, f"tracked modules missing from the wheel: {missing[:10]}"
@@ -124,7 +124,7 @@ def test_token_lookup_follows_rays_precedence_and_keeps_the_local_token_local(tm
 
 
 def test_submit_targets_and_an_unreachable_cluster_give_clear_answers(tmp_path, free_port):
-    from raypai.cluster import _client, pipeline_entrypoint
+    from raypai.tools.cluster import _client, pipeline_entrypoint
     from raypai.errors import PipelineError
 
     entry, folder = pipeline_entrypoint(str(ROOT / "pipelines" / "toy.py"), ["n=3"])

@@ -168,7 +168,7 @@ def lineage(ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, 
 
     store = _store()
     if deployment:
-        from raypai.lineage_deploy import deployment_lineage
+        from raypai.lineage.deploy import deployment_lineage
 
         graph = deployment_lineage(store, _settings(), deployment)
         if as_json:
@@ -274,7 +274,7 @@ def ray_stop():
 @app.command()
 def doctor():
     """Check the install: stdlib platform not shadowed, database, MLflow, Ray, torch, DeepSpeed."""
-    from raypai.doctor import run_checks
+    from raypai.tools.doctor import run_checks
 
     ok = True
     for name, passed, detail in run_checks(_settings()):
@@ -312,8 +312,8 @@ _MOUNTS = [
     ("raypai.serving.cli", "deploy_app", "deploy", "typer"),
     ("raypai.serving.cli", "token_app", "token", "typer"),
     ("raypai.serving.cli", "server_command", "server", "command"),
-    ("raypai.services", "services_app", "services", "typer"),
-    ("raypai.cluster", "submit_command", "submit", "command"),
+    ("raypai.tools.services", "services_app", "services", "typer"),
+    ("raypai.tools.cluster", "submit_command", "submit", "command"),
 ]
 
 

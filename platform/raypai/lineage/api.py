@@ -11,7 +11,7 @@ from fastapi import APIRouter, HTTPException
 
 from raypai.errors import NotFoundError
 from raypai.lineage import downstream, openlineage_events, upstream
-from raypai.lineage_deploy import deployment_lineage
+from raypai.lineage.deploy import deployment_lineage
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 

@@ -54,7 +54,7 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 def source_root() -> Path:
     """The checkout this raypai was imported from (editable install); a wheel install has none."""
-    root = Path(__file__).resolve().parents[2]  # platform/raypai/cluster.py -> repository root
+    root = Path(__file__).resolve().parents[3]  # platform/raypai/tools/cluster.py -> repository root
     pyproject = root / "pyproject.toml"
     if not pyproject.exists() or 'name = "raypai"' not in pyproject.read_text():
         raise ConfigError([f"no raypai source checkout found at {root} (raypai is installed from a wheel); "

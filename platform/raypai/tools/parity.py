@@ -1,6 +1,6 @@
 """Backend parity: the parts of a run's records that must not depend on where it ran.
 
-    from raypai.parity import lineage_shape, mlflow_shape, registry_shape, differences
+    from raypai.tools.parity import lineage_shape, mlflow_shape, registry_shape, differences
     assert not differences(lineage_shape(upstream(store_a, id_a)), lineage_shape(upstream(store_b, id_b)))
 
 The same pipeline run embedded (SQLite, local MLflow, local artifact folder) and against production
