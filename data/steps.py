@@ -52,7 +52,7 @@ def clean(ctx: StepContext, raw: Artifact, recipe: str = "default") -> Artifact:
             ctx.logger.log_artifacts(out / "report", "report/report")
     art = ctx.save(out, kind="dataset", name="clean", metadata={"rows": manifest["rows"],
                                                                  "accounting": manifest["accounting"]})
-    ctx.store.record_op_stats(ctx.step_run_id, art.id, manifest["op_stats"])
+    ctx.record_op_stats(art, manifest["op_stats"])
     return art
 
 

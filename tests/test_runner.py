@@ -286,11 +286,11 @@ def test_a_step_reaches_the_metadata_store_only_through_narrow_methods(raypai_ho
     (tmp_path / "out" / "x.txt").write_text("x")
     art = ctx.save(tmp_path / "out", kind="dataset")
     ctx.record_op_stats(art, [{"op_name": "dedup", "op_index": 0, "rows_in": 3, "rows_out": 2, "seconds": 0.1}])
-    ctx.store.record_op_stats(srid, art.id, [{"op_name": "len", "op_index": 1, "rows_in": 2, "rows_out": 2,
-                                              "seconds": 0.1}])
-    assert [r["op_name"] for r in store.op_stats(step_run_id=srid)] == ["dedup", "len"]
-    public = {n for n in dir(ctx.store) if not n.startswith("_")}
-    assert public == {"record_op_stats"}  # no create_token, get_deployment, list_runs, ...
+    assert [r["op_name"] for r in store.op_stats(step_run_id=srid)] == ["dedup"]
+    assert not hasattr(ctx, "store")  # no create_token, get_deployment, list_runs, ...
+    reachable = {n for n in dir(ctx) if not n.startswith("_")}
+    assert {"create_token", "get_deployment", "list_runs", "create_run"} <= set(dir(store))  # the names exist there
+    assert not reachable & {"create_token", "get_deployment", "list_runs", "create_run"}, reachable
 
 
 def test_the_dsl_builds_dags_without_importing_the_runner():

@@ -15,17 +15,6 @@ from raypai.settings import Settings
 from raypai.tracking import RunLogger, Tracker
 
 
-class StepStore:
-    """`ctx.store`: the one metadata-store write a step makes besides its outputs, kept for steps
-    written against the whole store; new code calls `ctx.record_op_stats(artifact, rows)`."""
-
-    def __init__(self, metadata):
-        self._metadata = metadata
-
-    def record_op_stats(self, step_run_id: str, artifact_id: str, rows: list[dict]) -> None:
-        self._metadata.record_op_stats(step_run_id, artifact_id, rows)
-
-
 @dataclass
 class StepContext:
     settings: Settings
@@ -42,10 +31,6 @@ class StepContext:
     key_metrics: dict = field(default_factory=dict)
     _scratch: Path | None = None
     _reporter: object = None
-
-    @property
-    def store(self) -> StepStore:
-        return StepStore(self._metadata)
 
     def record_op_stats(self, artifact: Artifact, rows: list[dict]) -> None:
         """Per-op data-cleaning counters for `artifact` (this step's output), shown by `raypai show`."""
