@@ -4,11 +4,17 @@
     folder/policy/   DeepSpeed checkpoint of the policy: weights + optimizer state, and as client
                      state the next step, the driver's `random.Random` state (= the data position:
                      which prompts come next) and every rollout replica's torch RNG state.
-The policy's `latest` file is written last, so its presence marks a complete checkpoint.
+Each save goes into new folders named by its step (DeepSpeed tags `step-000012`), and the policy's
+`latest` file is replaced atomically after its save finished, so it only ever names a complete
+checkpoint: a process killed in the middle of a save leaves the previous checkpoint intact (the
+old scheme overwrote one `state` folder in place, and a kill mid-save left a torn file behind). The
+two newest tags are kept; the critic is loaded at the tag the policy's `latest` names.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -22,13 +28,36 @@ def has_checkpoint(folder: str | Path | None) -> bool:
 def save_run(folder: str | Path, *, step: int, rng, policy, rollouts: list, critic=None) -> float:
     """Returns the seconds it took (every role waits for it; logged as `checkpoint_seconds`)."""
     t0 = time.perf_counter()
-    folder = Path(folder)
+    folder, tag = Path(folder), tag_of(step)
     if critic is not None:
-        ray.get(critic.save_checkpoint.remote(str(folder / "critic")))
+        ray.get(critic.save_checkpoint.remote(str(folder / "critic"), tag))
     rollout_rng = ray.get([r.rng_state.remote() for r in rollouts])
     ray.get(policy.save_checkpoint.remote(str(folder / "policy"),
-                                          {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}))
+                                          {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}, tag))
     return time.perf_counter() - t0
+
+
+def tag_of(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def latest_tag(folder: str | Path) -> str:
+    return (Path(folder) / "latest").read_text().strip()
+
+
+def commit(folder: str | Path, tag: str, keep: int = 2, *, point_latest: bool = True) -> None:
+    """After a finished save under `tag`: point `latest` at it (write + atomic rename) and remove
+    all but the `keep` newest tags (never the one `latest` names)."""
+    folder = Path(folder)
+    if point_latest:
+        tmp = folder / f".latest.{os.getpid()}"
+        tmp.write_text(tag)
+        os.replace(tmp, folder / "latest")
+    tags = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    current = latest_tag(folder) if (folder / "latest").exists() else tag
+    for old in tags[:-keep]:
+        if old != current:
+            shutil.rmtree(folder / old, ignore_errors=True)
 
 
 def load_run(folder: str | Path, *, rng, policy, rollouts: list, critic=None) -> int:
@@ -36,9 +65,10 @@ def load_run(folder: str | Path, *, rng, policy, rollouts: list, critic=None) ->
     if not has_checkpoint(folder):
         return 0
     folder = Path(folder)
-    state = ray.get(policy.load_checkpoint.remote(str(folder / "policy")))
+    tag = latest_tag(folder / "policy")
+    state = ray.get(policy.load_checkpoint.remote(str(folder / "policy"), tag))
     if critic is not None:
-        ray.get(critic.load_checkpoint.remote(str(folder / "critic")))
+        ray.get(critic.load_checkpoint.remote(str(folder / "critic"), tag))
     rng.setstate(_tuple(state["rng"]))
     for r, s in zip(rollouts, state.get("rollout_rng", [])):
         ray.get(r.set_rng_state.remote(s))

@@ -1,24 +1,148 @@
-"""Explicit, measured weight sync from the trainer to the rollout replicas (through the object store)."""
+"""Explicit, measured weight sync from the trainer to the rollout replicas.
+
+Two paths, chosen per replica:
+- **shared memory** when the trainer and the replica run on the same node (always so for
+  colocated roles): the trainer copies its weights into one flat buffer in `/dev/shm` (a header with
+  the weights' version and a digest of the parameter layout, then every tensor at an aligned
+  offset); the replica, in its own task order, checks the version it was told to expect and copies
+  the buffer into its parameters. Nothing is pickled and nothing goes through the object store.
+  verl's hybrid engine and ChatLearn's parameter sync do the same job in GPU memory; this is the
+  host-memory form (CPU roles, or GPUs through a host copy).
+- **object store** otherwise: one `state_dict` copy shared by the replicas on other nodes.
+
+Either way a replica loads the new weights after the work already submitted to it and before
+anything submitted later (an actor runs one caller's tasks in submission order), and
+`sync_seconds` / `sync_bytes` are measured.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from pathlib import Path
 
 import ray
 
+HEADER = 64  # bytes: int64 version, int64 layout digest, padding
+ALIGN = 64
 
-def sync_weights(trainer, rollouts: list) -> dict:
+_NODES: dict[str, str] = {}  # actor id -> node id (an actor never moves)
+_FIRST_ROUND: dict[str, list] = {}  # trainer id -> its first shared round's loads, until its file is removed
+
+
+def layout(state: dict) -> tuple[list[tuple[str, int, int]], int, int]:
+    """[(name, offset, nbytes)] of every tensor in a flat buffer, its total size, and a digest of
+    names, shapes and dtypes (trainer and replica must agree on it)."""
+    entries, offset, h = [], HEADER, hashlib.sha256()
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append((name, offset, nbytes))
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, offset, int.from_bytes(h.digest()[:7], "little")
+
+
+class SharedWeights:
+    """A flat weights buffer in `/dev/shm` (or the temp dir), mapped by the trainer and the
+    replicas of one node: `write(state, version)` on the trainer, `read_into(state, version)` on a
+    replica. Its file is removed once every replica has mapped it (the mappings stay valid)."""
+
+    def __init__(self, path: str | Path, state: dict, *, create: bool):
+        import torch
+
+        self.path = str(path)
+        self.entries, self.total, self.digest = layout(state)
+        if create:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "wb") as f:
+                f.truncate(self.total)
+        elif not os.path.exists(self.path):
+            raise RuntimeError(f"shared weights {self.path} are gone (removed after the first sync); "
+                               "a replica started later syncs through the object store")
+        elif os.path.getsize(self.path) != self.total:
+            raise RuntimeError(f"shared weights {self.path} hold {os.path.getsize(self.path)} bytes, this model "
+                               f"needs {self.total}: trainer and rollout models differ")
+        storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.total)
+        self.buf = torch.tensor([], dtype=torch.uint8).set_(storage)  # (total,) bytes
+        self.head = self.buf[:16].view(torch.int64)  # [version, layout digest]
+
+    def _views(self, state: dict):
+        for (name, offset, nbytes), t in zip(self.entries, state.values()):
+            yield t, self.buf[offset:offset + nbytes].view(t.dtype).view(t.shape)
+
+    def write(self, state: dict, version: int) -> int:
+        """Copy `state` (the trainer's tensors, any device) into the buffer, then stamp the version."""
+        self.head[0] = -1  # being written: no version a reader expects
+        for t, view in self._views(state):
+            view.copy_(t.detach())
+        self.head[1] = self.digest
+        self.head[0] = version
+        return self.total - HEADER
+
+    def read_into(self, state: dict, version: int) -> int:
+        """Copy the buffer into `state` (the replica's own tensors) after checking that it holds
+        `version` of the same layout; a mismatch raises (stale or foreign weights are never used)."""
+        import torch
+
+        found, digest = int(self.head[0]), int(self.head[1])
+        if digest != self.digest:
+            raise RuntimeError(f"shared weights {self.path} have another parameter layout: trainer and rollout "
+                               "models differ")
+        if found != version:
+            raise RuntimeError(f"shared weights {self.path} hold version {found}, expected {version}: "
+                               "refusing stale weights")
+        with torch.no_grad():
+            for t, view in self._views(state):
+                t.copy_(view)
+        return self.total - HEADER
+
+
+def sync_weights(trainer, rollouts: list, *, shared: bool | None = None) -> dict:
     """Copy the trainer's current weights into every rollout replica; returns `sync_seconds` (wall
-    time until the last replica has loaded them) and `sync_bytes` (size of one copy)."""
+    time until the last replica has loaded them) and `sync_bytes` (size of one copy). `shared`:
+    None picks per replica (shared memory on the trainer's node), False forces the object store."""
     t0 = time.perf_counter()
-    sizes = ray.get(start_sync(trainer, rollouts))
-    return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": int(sizes[0]) if sizes else 0}
+    sizes = ray.get(start_sync(trainer, rollouts, shared=shared))
+    seconds = time.perf_counter() - t0
+    _remove_file_once_mapped(trainer)
+    return {"sync_seconds": seconds, "sync_bytes": int(sizes[0]) if sizes else 0}
 
 
-def start_sync(trainer, rollouts: list) -> list:
+def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
     """Queue the copy without waiting: each replica loads the weights after the work already
-    submitted to it (an actor runs one caller's tasks in submission order) and before anything
-    submitted later. Returns the ObjectRefs of the loaded sizes."""
-    state = trainer.state_dict.remote()  # one copy in the object store, shared by every replica
-    version = trainer.version.remote()
-    return [r.load_weights.remote(state, version) for r in rollouts]
+    submitted to it and before anything submitted later. Returns the ObjectRefs of the loaded sizes."""
+    _remove_file_once_mapped(trainer)
+    here = [r for r in rollouts if shared is not False and _node(r) == _node(trainer)]
+    away = [r for r in rollouts if r not in here]
+    loads = []
+    if here:
+        written = trainer.write_shared.remote()  # -> (path, version); the replicas' loads wait for it
+        loads += [r.load_shared.remote(written) for r in here]
+        _FIRST_ROUND.setdefault(trainer._actor_id.hex(), list(loads))
+    if away:
+        state = trainer.state_dict.remote()  # one copy in the object store, shared by every remote replica
+        version = trainer.version.remote()
+        loads += [r.load_weights.remote(state, version) for r in away]
+    return loads
+
+
+def _remove_file_once_mapped(trainer) -> None:
+    """Once every replica of the first shared round has loaded (so mapped the file), the trainer
+    removes the file: the mappings stay, and nothing is left in /dev/shm after the run."""
+    refs = _FIRST_ROUND.get(trainer._actor_id.hex())
+    if refs and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs):
+        trainer.unlink_shared.remote()
+        _FIRST_ROUND[trainer._actor_id.hex()] = []
+
+
+def _node(actor) -> str:
+    key = actor._actor_id.hex()
+    if key not in _NODES:
+        _NODES[key] = ray.get(actor.node_id.remote())
+    return _NODES[key]
+
+
+def shared_path(run_key: str) -> Path:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"raypai-weights-{run_key}.bin"

@@ -36,8 +36,12 @@ class Critic:
         self.engine.step()
         return {"value_loss": loss.item()}
 
-    def save_checkpoint(self, folder: str) -> None:
-        self.engine.save_checkpoint(folder, tag="state")
+    def save_checkpoint(self, folder: str, tag: str) -> None:
+        """Save under a new `tag`; the policy's `latest` (written after it) says which tag a resume loads."""
+        from raypai.alignment.checkpoint import commit
 
-    def load_checkpoint(self, folder: str) -> None:
-        self.engine.load_checkpoint(folder)
+        self.engine.save_checkpoint(folder, tag=tag, save_latest=False)
+        commit(folder, tag, keep=3, point_latest=False)  # one more than the policy: it may be a save ahead
+
+    def load_checkpoint(self, folder: str, tag: str) -> None:
+        self.engine.load_checkpoint(folder, tag=tag)

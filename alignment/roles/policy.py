@@ -22,6 +22,7 @@ class PolicyTrainer:
         self.model_dir = model_dir
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         self.engine = make_engine(AutoModelForCausalLM.from_pretrained(model_dir), lr=lr, zero_stage=zero_stage)
+        self._shared = None  # raypai.alignment.sync.SharedWeights, made at the first same-node sync
 
     def _lp(self, batch):
         return token_logprobs(self.engine, batch["input_ids"], batch["attention_mask"])
@@ -95,6 +96,31 @@ class PolicyTrainer:
     def state_dict(self) -> dict:
         return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def write_shared(self) -> tuple[str, int]:
+        """Copy the current weights into this trainer's shared-memory buffer (same-node replicas read
+        it); returns (its path, the weights' version)."""
+        import ray
+
+        from raypai.alignment.sync import SharedWeights, shared_path
+
+        state = self.engine.module.state_dict()
+        if self._shared is None:
+            self._shared = SharedWeights(shared_path(ray.get_runtime_context().get_actor_id()[:24]), state, create=True)
+        self._shared.write(state, self.updates)
+        return self._shared.path, self.updates
+
+    def unlink_shared(self) -> None:
+        """Remove the buffer's file (every replica has mapped it; the mappings stay valid)."""
+        import os
+
+        if self._shared is not None and os.path.exists(self._shared.path):
+            os.unlink(self._shared.path)
+
     def export(self, out_dir: str, extra: dict | None = None) -> str:
         """The current policy as an HF folder: weights, the source folder's tokenizer files, and a
         generation config whose EOS list holds every stop token (plain `generate` stops where raypai does)."""
@@ -108,9 +134,13 @@ class PolicyTrainer:
             (out / "raypai.json").write_text(json.dumps(extra, indent=1, default=str))
         return str(out)
 
-    def save_checkpoint(self, folder: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(folder, tag="state", client_state=client_state)
+    def save_checkpoint(self, folder: str, client_state: dict, tag: str) -> None:
+        """Save under a new `tag`, then point `latest` at it (raypai.alignment.checkpoint.commit)."""
+        from raypai.alignment.checkpoint import commit
 
-    def load_checkpoint(self, folder: str) -> dict:
-        _, client_state = self.engine.load_checkpoint(folder)  # the "latest" pointer
+        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
+        commit(folder, tag)
+
+    def load_checkpoint(self, folder: str, tag: str | None = None) -> dict:
+        _, client_state = self.engine.load_checkpoint(folder, tag=tag)  # None: the "latest" pointer
         return client_state or {}

@@ -21,6 +21,7 @@ class Rollout:
         self.tok = self.fmt.tok
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
+        self._shared = None  # the trainer's shared-memory weights, mapped at the first same-node sync
 
     def load_weights(self, state: dict, version: int | None = None) -> int:
         """Load the trainer's weights; `version` (its update count) is reported with every sample."""
@@ -28,6 +29,23 @@ class Rollout:
         if version is not None:
             self.version = version
         return sum(v.numel() * v.element_size() for v in state.values())
+
+    def load_shared(self, written: tuple[str, int]) -> int:
+        """Load the weights the trainer wrote into shared memory (`written` = (path, version), from
+        its `write_shared`); refuses any other version. Returns the bytes copied."""
+        from raypai.alignment.sync import SharedWeights
+
+        path, version = written
+        if self._shared is None or self._shared.path != path:
+            self._shared = SharedWeights(path, self.model.state_dict(), create=False)
+        size = self._shared.read_into(self.model.state_dict(), version)
+        self.version = version
+        return size
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def _left_padded(self, prompt_ids: list[list[int]]) -> dict:
         P = max(map(len, prompt_ids))

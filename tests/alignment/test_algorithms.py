@@ -117,8 +117,14 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path):
 
 def test_ppo_trains_policy_and_critic(sft, tmp_path):
     logger = Sink()
+    ckpt = tmp_path / "ppo-ckpt"
     p = run_ppo(sft[0], str(tmp_path / "ppo"), PROMPTS, HELD_PROMPTS,
-                PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3), rewards=EXACT, run_name="t-ppo", logger=logger)
+                PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3, checkpoint_every=2), rewards=EXACT,
+                run_name="t-ppo", logger=logger, checkpoint_dir=str(ckpt))
+    # checkpoints under per-step tags, the two newest kept; the critic has the tag the policy's latest names
+    tag = (ckpt / "policy" / "latest").read_text().strip()
+    assert sorted(d.name for d in (ckpt / "policy").iterdir() if d.is_dir()) == ["step-000004", "step-000006"]
+    assert tag == "step-000006" and (ckpt / "critic" / tag).is_dir()
     steps = [m for s, m in logger.rows if s is not None]
     assert len(steps) == 6 and steps[-1]["value_loss"] < steps[0]["value_loss"]
     assert {"policy_loss", "clip_fraction", "kl", "time_score"} <= set(steps[0])
@@ -138,7 +144,8 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     ray.kill(ray.get_actor("t-kill/policy-0"))  # the trainer's process dies mid-run
     with pytest.raises(ray.exceptions.RayError):
         ray.get(driver)
-    saved = torch.load(ckpt / "policy" / "state" / "mp_rank_00_model_states.pt", weights_only=False)["step"]
+    tag = (ckpt / "policy" / "latest").read_text().strip()  # a kill mid-save leaves the previous one named
+    saved = torch.load(ckpt / "policy" / tag / "mp_rank_00_model_states.pt", weights_only=False)["step"]
     assert 2 <= saved < 12 and saved % 2 == 0
 
     logger = Sink()

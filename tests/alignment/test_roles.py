@@ -1,6 +1,8 @@
 """Role actors on real Ray + DeepSpeed (CPU): separate named processes, exact weight sync,
 frozen reference, rule and callable rewards, a critic, and a placement that cannot fit."""
 
+import os
+
 import pytest
 import ray
 import torch
@@ -43,10 +45,22 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         before = ray.get(rollout.logprobs.remote(batch))
         trained = ray.get(policy.logprobs.remote(batch))
         assert not torch.allclose(before, trained)
-        stats = sync_weights(policy, [rollout])
+        stats = sync_weights(policy, [rollout], shared=False)  # through the object store (replicas on other nodes)
         after = ray.get(rollout.logprobs.remote(batch))
         torch.testing.assert_close(after, trained, atol=1e-5, rtol=0)  # same tokens, same log-probs after sync
         assert stats["sync_bytes"] > 100_000 and stats["sync_seconds"] > 0
+
+        # same node: through shared memory, exact, and the buffer's file is gone once the replica mapped it
+        ray.get(policy.sft_step.remote(batch))
+        trained = ray.get(policy.logprobs.remote(batch))
+        shm = sync_weights(policy, [rollout])
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
+        assert shm["sync_bytes"] == stats["sync_bytes"]
+        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2  # the trainer's update count
+        path, version = ray.get(policy.write_shared.remote())
+        assert version == 2 and not os.path.exists(path)  # removed after the first round; the mappings stay
+        with pytest.raises(ray.exceptions.RayTaskError, match="hold version 2, expected 1: refusing stale weights"):
+            ray.get(rollout.load_shared.remote((path, 1)))
         torch.testing.assert_close(ray.get(reference.logprobs.remote(batch)), before, atol=1e-5, rtol=0)  # frozen
 
         digits = tuple(str(d) for d in range(10))
