@@ -58,13 +58,15 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     ops = load_recipe(recipe)
     row_ops, dedup_ops = _split_recipe(ops)
+    if not ray.is_initialized():  # a library never starts Ray itself: the caller says which Ray
+        raise DataError("clean() runs on Ray and none is connected in this process: call ray.init() (a local "
+                        "Ray, or address='auto' for a cluster) or raypai.runtime.ensure_ray(settings) first; "
+                        "`raypai data clean` and pipeline steps do this for you")
     raw = json.loads((raw_dir / "manifest.json").read_text())
     rows_of = {p["file"]: p["rows"] for p in raw["parts"]}
     parts = list(rows_of)
     work = Path(work_dir) if work_dir else out_dir / "_work"
     _prepare_work(work, describe(ops))
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
     t0 = time.time()
     pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
     progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
