@@ -4,9 +4,10 @@ CPU; the comments say where a default comes from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from raypai.alignment.losses import AGGREGATIONS, DPO_LOSSES
+from raypai.config import parse_config
 from raypai.errors import ConfigError
 
 
@@ -202,62 +203,12 @@ CONFIGS = {"sft": SFTConfig, "reward_model": RewardModelConfig, "dpo": DPOConfig
            "grpo": GRPOConfig, "ppo": PPOConfig}
 
 
-_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-
-
-def _coerce(kind: str, value):
-    """`value` as the field's declared type. A number written as text ("3e-3": YAML 1.1, which
-    PyYAML follows, reads exponents without a dot as strings) is read as that number."""
-    if kind == "float":
-        if isinstance(value, bool):
-            raise ValueError
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())
-        raise ValueError
-    if kind == "int":
-        if isinstance(value, bool):
-            raise ValueError
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value.strip())
-        raise ValueError
-    if kind == "bool" and not isinstance(value, bool):
-        raise ValueError
-    if kind == "str" and not isinstance(value, str):
-        raise ValueError
-    return value
-
-
 def from_dict(algo: str, values: dict):
-    """The validated config of `algo` from a plain dict (a YAML/JSON file's content). Unknown
-    options and invalid values are reported together."""
+    """The validated config of `algo` from a plain dict (a YAML/JSON file's content), read by the
+    core's `parse_config`: unknown options (with the close match), wrong types and invalid values
+    reported together; numbers written as text ("3e-3", which YAML 1.1 leaves a string) read as numbers."""
     if algo not in CONFIGS:
         raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(CONFIGS)}"], what="alignment config")
-    cls = CONFIGS[algo]
-    names = {f.name for f in fields(cls)}
-    problems = [f"{cls.__name__} has no option {k!r}; valid: {', '.join(sorted(names))}"
-                for k in sorted(set(values) - names)]
-    types = {f.name: f.type for f in fields(cls)}
-    known = {}
-    for k, v in values.items():
-        if k in names:
-            try:
-                known[k] = _coerce(types[k], v)
-            except ValueError:
-                problems.append(f"{cls.__name__}.{k}={v!r} must be {_KINDS.get(types[k], types[k])}")
     if algo == "online_dpo":
-        known["online"] = True
-    try:
-        cfg = cls(**known).validate()
-    except ConfigError as err:
-        problems += err.problems
-    except TypeError as err:  # e.g. a list where a number belongs
-        problems.append(f"{cls.__name__}: {err}")
-    if problems:
-        raise ConfigError(problems, what=f"{algo} config")
-    return cfg
+        values = {**values, "online": True}
+    return parse_config(CONFIGS[algo], values, what=f"{algo} config ({CONFIGS[algo].__name__})")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from raypai.config import coerce, type_name, unknown_key
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
                                      GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
@@ -87,7 +88,7 @@ def load_recipe(recipe) -> list:
         cls = _resolve(name, i, problems)
         if cls is None:
             continue
-        errs = _check_params(cls, name, params, i)
+        params, errs = _check_params(cls, name, params, i)
         if errs:
             problems += errs
             continue
@@ -114,24 +115,25 @@ def _resolve(name: str, i: int, problems: list):
     return None
 
 
-def _check_params(cls, name: str, params: dict, i: int) -> list[str]:
+def _check_params(cls, name: str, params: dict, i: int) -> tuple[dict, list[str]]:
+    """(`params` read as `cls`'s field types, problems): the core's readers (raypai.config), so a
+    recipe names unknown and mistyped parameters as every other config does ("0.5" reads as 0.5)."""
     if not dataclasses.is_dataclass(cls):
-        return []
+        return params, []
+    if not isinstance(params, dict):
+        return params, [f"op #{i} {name}: parameters must be a mapping (got {type(params).__name__} {params!r})"]
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.name != "name"}
-    errs = []
+    fields = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_") and f.name != "name"]
+    out, errs = {}, []
     for k, v in params.items():
         if k not in fields:
-            errs.append(f"op #{i} {name}: unknown parameter {k!r}; valid: {', '.join(fields) or '(none)'}")
+            errs.append(f"op #{i} {name}: {unknown_key(k, fields, noun='parameter')}")
             continue
-        want = hints.get(k)
-        if want in (int, float) and (isinstance(v, bool) or not isinstance(v, int | float)):
-            errs.append(f"op #{i} {name}: parameter {k!r} must be a number (got {type(v).__name__} {v!r})")
-        elif want is int and isinstance(v, float) and not v.is_integer():
-            errs.append(f"op #{i} {name}: parameter {k!r} must be an integer (got {v!r})")
-        elif want is str and not isinstance(v, str):
-            errs.append(f"op #{i} {name}: parameter {k!r} must be a string (got {type(v).__name__} {v!r})")
-    return errs
+        try:
+            out[k] = coerce(hints.get(k, typing.Any), v)
+        except ValueError:
+            errs.append(f"op #{i} {name}: parameter {k!r} must be {type_name(hints.get(k))} (got {type(v).__name__} {v!r})")
+    return out, errs
 
 
 def describe(ops: list) -> list[dict]:

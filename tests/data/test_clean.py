@@ -240,7 +240,7 @@ def test_bad_inputs_are_clear(tmp_path, ray_local):
     assert m["rows"] == 0 and m["rejected"] >= 1
     with pytest.raises(ConfigError, match="unknown op"):
         clean(tmp_path / "o3", tmp_path / "o4", recipe=["bogus_op"])
-    with pytest.raises(ConfigError, match="must be a number"):
+    with pytest.raises(ConfigError, match="'min_value' must be float"):
         clean(tmp_path / "o3", tmp_path / "o4", recipe=[{"word_count": {"min_value": "x"}}])
     with pytest.raises(ConfigError, match="after a dedup"):
         clean(tmp_path / "o3", tmp_path / "o4", recipe=["exact_dedup", "word_count"])

@@ -206,7 +206,9 @@ def test_recipe_validation_reports_every_problem(tmp_path):
     msgs = err.value.problems
     assert len(msgs) == 4
     assert "unknown op 'no_such_op'" in msgs[0] and "word_count" in msgs[0]  # lists the valid choices
-    assert "must be a number" in msgs[1] and "unknown parameter 'bands'" in msgs[2] and "cannot be imported" in msgs[3]
+    assert "'min_value' must be float (got str 'ten')" in msgs[1] and "unknown parameter 'bands'" in msgs[2]
+    assert "cannot be imported" in msgs[3]
+    assert load_recipe([{"word_count": {"min_value": "3"}}])[0].min_value == 3.0  # a number written as text
     y = tmp_path / "r.yaml"
     y.write_text("ops:\n  - whitespace_normalize\n  - word_count: {min_value: 3}\n  - exact_dedup\n")
     ops = load_recipe(str(y))
