@@ -8,7 +8,6 @@ into fixed-length token blocks (token shards).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pyarrow.parquet as pq
 from raypai.artifacts import digest_dir
 from raypai.chat import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS
 from raypai.errors import ConfigError, DataError
+from raypai.token_shards import TokenShardsManifest
 from raypai.train.data import write_shard
 
 # raypai's own chat format lives in raypai.chat (one home for special tokens and the template)
@@ -109,5 +109,6 @@ def tokenize(dataset_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | 
                 "vocab_size": len(tok), "eos_id": int(eos), "tokenizer_digest": tok_digest, "files": files,
                 "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
                 "content_sha256": hashlib.sha256(blocks.tobytes()).hexdigest()}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return manifest
+    typed = TokenShardsManifest.from_dict(manifest)  # the one format (raypai.token_shards), checked as written
+    typed.write(out)
+    return typed.to_dict()
