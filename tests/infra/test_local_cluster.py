@@ -111,5 +111,5 @@ def test_raypai_submit_ships_the_pipeline_file_and_reports_the_jobs_outcome(clus
     out = result.stdout + result.stderr
     assert result.exit_code == 1, out[-3000:]
     assert "python -m raypai.cli run toy.py --param=no_such_param=1" in out  # the file, alone
-    assert "unknown parameter 'no_such_param' of pipeline 'toy'" in out  # raised on the cluster
+    assert "pipeline 'toy': unknown parameter 'no_such_param'" in out  # raised on the cluster
     assert "FAILED" in out
