@@ -285,3 +285,24 @@ def test_ui_takes_a_free_port_when_5000_is_taken_and_records_it(tmp_path):
         finally:
             os.killpg(ui.pid, signal.SIGTERM)  # the CLI and the MLflow server it started
             ui.wait(30)
+
+
+def test_ensure_ray_local_starts_its_own_ray_with_the_options_asked(tmp_path):
+    """`local=True` (the benchmarks') ignores RAY_ADDRESS and starts a Ray in this process with the
+    CPU count and object store asked for."""
+    import ray
+    from ray._private.ray_constants import OBJECT_STORE_MINIMUM_MEMORY_BYTES as store_bytes
+
+    from raypai.settings import Settings
+
+    # nothing listens there: joining it would fail, so a local Ray shows RAY_ADDRESS was skipped
+    settings = Settings.load({"RAYPAI_HOME": str(tmp_path), "RAY_ADDRESS": f"127.0.0.1:{runtime.pick_port()}"})
+    try:
+        info = runtime.ensure_ray(settings, local=True, num_cpus=3, dashboard=False, log_to_driver=False,
+                                  object_store_memory=store_bytes)
+        assert info.kind == "local" and info.dashboard_url is None
+        resources = ray.cluster_resources()
+        assert resources["CPU"] == 3
+        assert resources["object_store_memory"] == store_bytes
+    finally:
+        ray.shutdown()

@@ -7,7 +7,8 @@
 Which Ray an entry point gets (`ensure_ray`), first match wins:
   1. `RAY_ADDRESS` / `ray_address` in the settings: that cluster;
   2. the head recorded in `$RAYPAI_HOME/runtime.json` by `start_head`, while it still runs;
-  3. a local Ray inside this process, gone when the process exits.
+  3. a local Ray inside this process, gone when the process exits (`ensure_ray(settings, local=True)`
+     goes straight here: the benchmarks' own Ray).
 
 Every port raypai opens prefers its usual default (Ray GCS 6379, dashboard 8265, client 10001,
 dashboard agent 52365, Serve 8000, deploy API 8080, MLflow UI 5000) and takes a free one when that
@@ -372,18 +373,21 @@ def worker_env(settings: Settings) -> dict[str, str]:
 
 
 def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bool | None = None,
-               log_to_driver: bool = True) -> RayInfo:
+               log_to_driver: bool = True, local: bool = False, object_store_memory: int | None = None) -> RayInfo:
     """Join the Ray this process should use (see the module docstring), or start a local one.
-    Idempotent: when Ray is already initialised, describes it. `num_cpus`/`dashboard` only apply
-    to a local Ray started here (default: settings)."""
+    Idempotent: when Ray is already initialised, describes it. `local=True` skips the cluster and
+    the recorded head and always starts a Ray inside this process (benchmarks measure on a Ray of
+    their own, with a known CPU count). `num_cpus`, `dashboard` and `object_store_memory` (bytes)
+    only apply to a local Ray started here (default: settings, then Ray's own)."""
     import ray
 
     if ray.is_initialized():
         return _current(settings)
-    head = None if settings.ray_address else load_state(settings).head
+    joins_cluster = bool(settings.ray_address) and not local
+    head = None if joins_cluster or local else load_state(settings).head
     env = worker_env(settings)
     kwargs = {"namespace": NAMESPACE, "log_to_driver": log_to_driver, "logging_level": logging.WARNING}
-    if settings.ray_address:
+    if joins_cluster:
         kind, address, serve = "cluster", settings.ray_address, settings.serve_port or DEFAULT_PORTS["serve"]
     elif head is not None:
         kind, address, serve = "head", head.address, settings.serve_port or head.serve_port
@@ -395,6 +399,8 @@ def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         # (Train workers + controller, role actors), which must schedule beside the step's task.
         kwargs.update(num_cpus=num_cpus or settings.ray_num_cpus or max(8, os.cpu_count() or 1),
                       include_dashboard=dash)
+        if object_store_memory:
+            kwargs["object_store_memory"] = object_store_memory
         _set_auth_mode(os.environ.get("RAY_AUTH_MODE", "token"))  # Ray's default, without its warning
     env["RAYPAI_SERVE_PORT"] = str(serve)
     try:
