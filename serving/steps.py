@@ -18,6 +18,17 @@ def register(ctx: StepContext, model: Artifact, name: str, evaluation: dict | No
     return {"model": name, "version": version, "alias": alias if promoted else None, "promoted": promoted}
 
 
+def deploy_gate(registered: dict, *, require_promoted: bool, evaluation: dict | None = None,
+                min_metrics: dict[str, float] | None = None) -> str | None:
+    """Why the deploy step must not deploy `registered` (the `register` step's output), or None when
+    it may: with `require_promoted` (the pipelines' `require_improvement`), a version the evaluation
+    did not promote is refused; then each `min_metrics` threshold `evaluation` fails."""
+    if require_promoted and not registered.get("promoted"):
+        return "evaluation did not beat the baseline"
+    failed = unmet_gates(evaluation, min_metrics)
+    return "metric gate: " + ", ".join(failed) if failed else None
+
+
 def unmet_gates(evaluation: dict | None, min_metrics: dict[str, float] | None) -> list[str]:
     """Each `metric >= threshold` in `min_metrics` that `evaluation` fails (missing counts as failed)."""
     problems = []
@@ -67,11 +78,10 @@ def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpu
     from raypai.serving.control import Controller
     from raypai.store import MetadataStore
 
-    if require_promoted and not registered.get("promoted"):
-        return {"deployed": False, "reason": "evaluation did not beat the baseline", **registered}
-    failed = unmet_gates(evaluation, min_metrics)
-    if failed:
-        return {"deployed": False, "reason": "metric gate: " + ", ".join(failed), **registered}
+    refused = deploy_gate(registered, require_promoted=require_promoted, evaluation=evaluation,
+                          min_metrics=min_metrics)
+    if refused:
+        return {"deployed": False, "reason": refused, **registered}
     # the control plane's own handle on the deployments table (the step context gives no store)
     ctl = Controller(ctx.settings, store=MetadataStore(ctx.settings.database_url, migrate_schema=False),
                      tracker=ctx.tracker)
