@@ -26,36 +26,44 @@ class Samples:
 @dataclass
 class Pending:
     """Generation in flight on the rollout replicas (`launch`), not yet waited for (`collect`)."""
-    refs: list  # one ObjectRef per replica that got problems
-    order: list  # the problems, in the order of the concatenated outputs
+    refs: list  # one ObjectRef per replica that got work
+    order: list  # the problems, in the order of the samples after `collect`
     n: int
+    rows: list | None = None  # (replica, row) of each sample in that order; None = the replicas' concatenation
 
 
 def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
            logprobs: bool = False) -> Pending:
-    """Start sampling n completions per prompt (PromptExample); the prompts are split across the
-    replicas, groups stay together. Returns at once."""
-    chunks = [problems[i::len(rollouts)] for i in range(len(rollouts))]
-    refs = [r.generate.remote([p.prompt for p in c], n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, logprobs=logprobs) for r, c in zip(rollouts, chunks) if c]
-    return Pending(refs, [p for c in chunks for p in c], n)
+    """Start sampling n completions per prompt (PromptExample) on the rollout replicas; returns at
+    once. With at least as many prompts as replicas each replica takes whole groups; with fewer (one
+    prompt × a group of 8 on two replicas) the groups' samples are split across the replicas and
+    `collect` puts every group back together."""
+    gen = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "logprobs": logprobs}
+    R = len(rollouts)
+    if len(problems) >= R or n < R:
+        chunks = [problems[i::R] for i in range(R)]
+        refs = [r.generate.remote([p.prompt for p in c], n=n, **gen) for r, c in zip(rollouts, chunks) if c]
+        return Pending(refs, [p for c in chunks for p in c], n)
+    counts = [n // R + (i < n % R) for i in range(R)]  # every replica samples every prompt, counts[i] times
+    refs = [r.generate.remote([p.prompt for p in problems], n=k, **gen) for r, k in zip(rollouts, counts)]
+    rows = [(r, j * counts[r] + s) for j in range(len(problems)) for r in range(R) for s in range(counts[r])]
+    return Pending(refs, list(problems), n, rows)
 
 
 def collect(pending: Pending, *, pad_id: int) -> Samples:
     """Wait for a launched generation and pad it into one training batch."""
     outs, order, n = ray.get(pending.refs), pending.order, pending.n
-    batch = pad([s for o in outs for s in o["seqs"]], [m for o in outs for m in o["masks"]], pad_id)
+    rows = pending.rows or [(i, j) for i, o in enumerate(outs) for j in range(len(o["seqs"]))]
+    batch = pad([outs[i]["seqs"][j] for i, j in rows], [outs[i]["masks"][j] for i, j in rows], pad_id)
     behaviour = None
     if outs and "logprobs" in outs[0]:  # each replica's (B_i, T_i−1), right-aligned like the batch: pad to (B, T−1)
         behaviour = torch.zeros(batch["response_mask"].shape)
-        row = 0
-        for o in outs:
-            lp = o["logprobs"]
-            behaviour[row:row + lp.shape[0], :lp.shape[1]] = lp
-            row += lp.shape[0]
-    rows = {k: [p.extras[k] for p in order for _ in range(n)] for k in (order[0].extras if order else {})}
-    return Samples(batch, [p.prompt for p in order for _ in range(n)], [c for o in outs for c in o["completions"]],
-                   rows, behaviour, min((o.get("weights_version", 0) for o in outs), default=0))
+        for row, (i, j) in enumerate(rows):
+            lp = outs[i]["logprobs"][j]
+            behaviour[row, :lp.shape[0]] = lp
+    extras = {k: [p.extras[k] for p in order for _ in range(n)] for k in (order[0].extras if order else {})}
+    return Samples(batch, [p.prompt for p in order for _ in range(n)], [outs[i]["completions"][j] for i, j in rows],
+                   extras, behaviour, min((o.get("weights_version", 0) for o in outs), default=0))
 
 
 def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,

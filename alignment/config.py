@@ -11,6 +11,11 @@ from raypai.config import parse_config
 from raypai.errors import ConfigError
 
 
+# how the rollout samples: raypai's own decoding loop (finished rows leave the batch, behaviour
+# log-probs from the sampling pass) or transformers' `generate` (for a model the loop cannot drive)
+ROLLOUT_ENGINES = ("raypai", "hf")
+
+
 def _positive(cfg, names, problems):
     for n in names:
         if getattr(cfg, n) <= 0:
@@ -20,6 +25,10 @@ def _positive(cfg, names, problems):
                         "what happens to an example longer than max_length")
     if getattr(cfg, "max_length", 0) < 0:
         problems.append(f"{type(cfg).__name__}.max_length must be ≥ 0 (got {cfg.max_length}); 0 = the model's context")
+    engine = getattr(cfg, "rollout_engine", "raypai")
+    if engine not in ROLLOUT_ENGINES:
+        problems.append(f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
+                        f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive)")
     zero = getattr(cfg, "zero_stage", 0)
     if zero not in (0, 1, 2):
         problems.append(f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
@@ -81,6 +90,7 @@ class DPOConfig:
     max_new_tokens: int = 6
     zero_stage: int = 0
     seed: int = 0
+    rollout_engine: str = "raypai"  # online DPO's sampler: "raypai" | "hf"
     max_length: int = 0
     truncation: str = "refuse"
 
@@ -120,6 +130,7 @@ class GRPOConfig:
     zero_stage: int = 0
     seed: int = 0
     rollout_replicas: int = 1
+    rollout_engine: str = "raypai"  # "raypai" | "hf" (ROLLOUT_ENGINES)
     reward_model_weight: float = 0.0  # weight of a trained reward model next to the rule reward
     # generate the next batch while this one trains: one step off-policy, ratio against the sampling weights
     async_rollout: bool = False
@@ -150,9 +161,6 @@ class GRPOConfig:
                      "it only widens the upper side of the trust region")
         if self.beta < 0:
             p.append(f"GRPOConfig.beta must be ≥ 0 (got {self.beta})")
-        if self.prompts_per_step > 0 and self.rollout_replicas > 0 and self.prompts_per_step % self.rollout_replicas:
-            p.append(f"GRPOConfig.prompts_per_step ({self.prompts_per_step}) must be divisible by rollout_replicas "
-                     f"({self.rollout_replicas}) so each replica gets whole groups")
         if p:
             raise ConfigError(p, what="GRPO config")
         return self
@@ -179,6 +187,7 @@ class PPOConfig:
     zero_stage: int = 0
     seed: int = 0
     rollout_replicas: int = 1
+    rollout_engine: str = "raypai"  # "raypai" | "hf" (ROLLOUT_ENGINES)
     reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
     max_length: int = 0
     truncation: str = "refuse"

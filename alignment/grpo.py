@@ -62,14 +62,18 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
              "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
-    # CPUs; async: rollout and update overlap, each in its own bundle with one thread
-    colocate = () if cfg.async_rollout or cfg.rollout_replicas > 1 else (tuple(specs),)
+    # CPUs (several rollout replicas split the batch and those CPUs between them); async: rollout and
+    # update overlap, each in its own bundle with one thread
+    colocate = () if cfg.async_rollout else (tuple(specs),)
     shared = max(1, round(sum(r.cpus * r.replicas for r in specs.values()))) if colocate else 1
     place = Placement(run_name, specs, colocate=colocate)
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
                                threads=cfg.train_threads or shared)
-        rollouts = place.place("rollout", Rollout, model_dir, cfg.seed, threads=cfg.rollout_threads or shared)
+        rollouts = place.place("rollout", Rollout, model_dir,
+                               threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
+                               engine=cfg.rollout_engine,
+                               per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)
@@ -113,12 +117,14 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                     m = ray.get(policy.grpo_step.remote(s.batch, old_lp, ref_lp, adv, cfg.clip_eps, cfg.clip_eps_high,
                                                         cfg.beta, cfg.aggregation, cfg.max_new_tokens))
             with t("time_sync"):
-                if cfg.async_rollout:  # queued behind the generation in flight; the driver goes on
-                    sizes, loads = ray.get(loads), start_sync(policy, rollouts)  # the previous step's loads are done
-                    sync = {"sync_bytes": int(sizes[0]) if sizes else 0}
-                else:
-                    sync = sync_weights(policy, rollouts)
-            sync["sync_seconds"] = t.seconds["time_sync"]  # async: what the driver waited, not the copy itself
+                # queued on every replica: each loads the new weights after the work already submitted
+                # to it (async: the generation in flight) and before the next generation; the driver
+                # goes on. The previous step's loads are done by now (a replica ran them before sampling).
+                sizes, loads = ray.get(loads), start_sync(policy, rollouts)
+                sync = {"sync_bytes": int(sizes[0]) if sizes else 0}
+            # what the driver waited; the copy itself runs on the trainer and the replicas, in the
+            # rollout's time when synchronous
+            sync["sync_seconds"] = t.seconds["time_sync"]
             metrics = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
                        "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
                        "entropy": m["entropy"], "grad_norm": m["grad_norm"], "response_length": response_length(s.batch),

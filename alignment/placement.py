@@ -57,14 +57,15 @@ class Placement:
         ray.get(self.pg.ready(), timeout=300)
         self.actors: list = []
 
-    def place(self, role: str, cls, *args, **kwargs) -> list:
+    def place(self, role: str, cls, *args, per_replica=None, **kwargs) -> list:
+        """`per_replica(i)`: keyword arguments for replica i only (e.g. its own sampling seed)."""
         spec = self.specs[role]
         handles = []
         for i, bundle in enumerate(self.group_of[role]):
             actor = ray.remote(cls).options(
                 name=f"{self.run_name}/{role}-{i}", num_cpus=spec.cpus, num_gpus=spec.gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(*args, **kwargs)
+            ).remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))
             handles.append(actor)
         self.actors += handles
         return handles

@@ -55,7 +55,8 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
         [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed)
-        rollouts = place.place("rollout", Rollout, model_dir, cfg.seed)
+        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine,
+                               per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)

@@ -1,20 +1,29 @@
-"""Rollout: batched sampling with a KV cache (HF `generate`), weights loaded from the trainer.
+"""Rollout: batched sampling with a KV cache, weights loaded from the trainer.
 Prompts are strings (standard format) or message lists (the tokenizer's chat template); generation
-stops at the tokenizer's stop tokens (EOS, generation_config EOS, the template's end-of-turn)."""
+stops at the tokenizer's stop tokens (EOS, generation_config EOS, the template's end-of-turn).
+
+Two engines: `"raypai"` (default; `raypai.alignment._decode`: finished rows leave the batch and the
+behaviour log-probs come from the sampling pass itself) and `"hf"` (transformers' `generate`, for a
+model the lean loop does not support)."""
 
 from __future__ import annotations
 
 import torch
 
+from raypai.alignment._decode import decode
 from raypai.alignment._tensors import pad, token_logprobs
+from raypai.alignment.config import ROLLOUT_ENGINES
 from raypai.chat import ChatFormat
 from raypai.errors import ConfigError
 
 
 class Rollout:
-    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1):
+    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai"):
         from transformers import AutoModelForCausalLM
 
+        if engine not in ROLLOUT_ENGINES:
+            raise ConfigError([f"rollout engine {engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}"], what="rollout")
+        self.engine = engine
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # HF sampling draws from the global generator; its state is checkpointed
         self.fmt = ChatFormat.from_pretrained(model_dir)
@@ -67,28 +76,47 @@ class Rollout:
         which an off-policy update needs as its behaviour log-probs."""
         stops = list(dict.fromkeys([*self.fmt.stop_ids, *self._stop_ids(stop)]))
         prompt_ids = [self.fmt.prompt_ids(p) for p in prompts for _ in range(n)]
+        if self.engine == "raypai":
+            d = decode(self.model, prompt_ids, pad_id=self.tok.pad_token_id, stop_ids=stops,
+                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs)
+            comps, sampled_lp, stopped = d.tokens, d.logprobs, d.stopped
+        else:
+            comps, stopped = self._hf_generate(prompt_ids, stops, max_new_tokens, temperature, top_p)
+            sampled_lp = None
+        seqs = [p + c for p, c in zip(prompt_ids, comps)]
+        masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, comps)]
+        completions = [self.tok.decode([t for t in c if t not in stops], skip_special_tokens=True) for c in comps]
+        batch = pad(seqs, masks, self.tok.pad_token_id)
+        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks,
+               "stopped_fraction": stopped / max(1, len(seqs)), "weights_version": self.version}
+        if logprobs and sampled_lp is not None:  # label position of completion token j: len(prompt) − 1 + j
+            lp = torch.zeros(batch["response_mask"].shape)
+            for i, (p, row) in enumerate(zip(prompt_ids, sampled_lp)):
+                lp[i, len(p) - 1:len(p) - 1 + len(row)] = row
+            out["logprobs"] = lp
+        elif logprobs:
+            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+        return out
+
+    def _hf_generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p) -> tuple[list[list[int]], int]:
+        """transformers' `generate` over left-padded prompts; top-k off so the samples come from the
+        model's distribution (temperature and top-p only)."""
         enc = self._left_padded(prompt_ids)
         greedy = temperature == 0
         out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
                                   temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-                                  top_k=None, eos_token_id=stops, pad_token_id=self.tok.pad_token_id, use_cache=True)
+                                  top_k=None if greedy else 0, eos_token_id=stops, pad_token_id=self.tok.pad_token_id,
+                                  use_cache=True)
         P = enc["input_ids"].shape[1]  # left padding: every completion starts at column P
-        seqs, masks, completions, stopped = [], [], [], 0
-        for i, p_ids in enumerate(prompt_ids):
+        comps, stopped = [], 0
+        for i in range(len(prompt_ids)):
             comp = out[i, P:].tolist()
             cut = next((j for j, t in enumerate(comp) if t in stops), None)
             if cut is not None:
                 comp = comp[: cut + 1]
                 stopped += 1
-            completions.append(self.tok.decode([t for t in comp if t not in stops], skip_special_tokens=True))
-            seqs.append(p_ids + comp)
-            masks.append([0] * len(p_ids) + [1] * len(comp))
-        batch = pad(seqs, masks, self.tok.pad_token_id)
-        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks,
-               "stopped_fraction": stopped / max(1, len(seqs)), "weights_version": self.version}
-        if logprobs:
-            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
-        return out
+            comps.append(comp)
+        return comps, stopped
 
     def _stop_ids(self, stop: tuple[str, ...]) -> list[int]:
         vocab = self.tok.get_vocab()

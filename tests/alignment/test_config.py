@@ -9,12 +9,13 @@ from raypai.errors import ConfigError
 
 def test_grpo_config_lists_every_problem_with_its_fix():
     with pytest.raises(ConfigError) as err:
-        GRPOConfig(group_size=1, aggregation="mean", prompts_per_step=3, rollout_replicas=2, clip_eps=2).validate()
+        GRPOConfig(group_size=1, aggregation="mean", rollout_engine="vllm", clip_eps=2).validate()
     assert len(err.value.problems) == 4
     text = str(err.value)
     assert "group_size must be > 1 (got 1): with one sample per prompt every advantage is 0" in text
     assert "aggregation 'mean' is unknown; choose one of grpo, bnpo, dr_grpo, dapo" in text
-    assert "divisible by rollout_replicas" in text and "clip_eps must be in (0, 1) (got 2)" in text
+    assert "rollout_engine 'vllm' is unknown; choose one of raypai, hf" in text
+    assert "clip_eps must be in (0, 1) (got 2)" in text
 
 
 def test_dpo_ppo_and_file_configs_are_checked():

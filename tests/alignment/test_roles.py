@@ -141,3 +141,47 @@ def test_ppo_step_moves_the_policy_toward_positive_advantages(ray_align, tiny_mo
         assert gain[0] > 0 > gain[1], gain
     finally:
         place.shutdown()
+
+
+def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_align, tiny_model):
+    """Synchronous GRPO's placement: every role in one bundle, still one named process each; with
+    one prompt and two rollout replicas, the group's samples are split across the replicas (each
+    with its own seed, so no sample is drawn twice) and `collect` returns the group in one piece;
+    the shared-memory sync reaches both replicas exactly."""
+    from raypai.alignment._loop import collect, launch
+    from raypai.alignment.data import PromptExample
+
+    specs = {"policy": RoleSpec(1), "rollout": RoleSpec(0.5, replicas=2), "reference": RoleSpec(0.5)}
+    place = Placement("coloc-test", specs, colocate=(tuple(specs),))
+    try:
+        assert len(ray.util.placement_group_table(place.pg)["bundles"]) == 1
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        rollouts = place.place("rollout", Rollout, tiny_model, per_replica=lambda i: {"seed": i})
+        [reference] = place.place("reference", Reference, tiny_model)
+        ray.get([a.__ray_ready__.remote() for a in (policy, *rollouts, reference)])
+        names = {a.name: a.pid for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
+                 if a.name.startswith("coloc-test/")}
+        assert set(names) == {"coloc-test/policy-0", "coloc-test/rollout-0", "coloc-test/rollout-1",
+                              "coloc-test/reference-0"} and len(set(names.values())) == 4
+
+        problems = [PromptExample("1+2=", {"answer": 3}), PromptExample("3+4=", {"answer": 7})]
+        one = collect(launch(rollouts, problems[:1], 8, max_new_tokens=6, temperature=1.0, logprobs=True), pad_id=0)
+        assert one.prompts == ["1+2="] * 8 and one.rows == {"answer": [3] * 8} and len(one.completions) == 8
+        halves = [tuple(map(tuple, one.batch["input_ids"][i:i + 4].tolist())) for i in (0, 4)]
+        assert halves[0] != halves[1]  # the two replicas drew different samples
+        # every row's behaviour log-probs are its own: recomputed on the replica's weights they match
+        lp = ray.get(rollouts[0].logprobs.remote(one.batch))
+        torch.testing.assert_close(one.behaviour_lp * one.batch["response_mask"], lp * one.batch["response_mask"],
+                                   atol=1e-4, rtol=0)
+        two = collect(launch(rollouts, problems, 3, max_new_tokens=4, temperature=1.0), pad_id=0)
+        assert two.prompts == ["1+2="] * 3 + ["3+4="] * 3 and two.rows == {"answer": [3] * 3 + [7] * 3}
+
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3)])))
+        ray.get(policy.sft_step.remote(batch))
+        trained = ray.get(policy.logprobs.remote(batch))
+        sync_weights(policy, rollouts)
+        for r in rollouts:
+            torch.testing.assert_close(ray.get(r.logprobs.remote(batch)), trained, atol=0, rtol=0)
+    finally:
+        place.shutdown()

@@ -1,0 +1,118 @@
+"""Batched sampling for the rollout: one prefill, then one forward pass per token over a KV cache,
+with finished rows leaving the batch (iteration-level scheduling as in the serving engine:
+Yu et al., "Orca", OSDI 2022).
+
+Why not HF `generate`: at rollout sizes its per-token bookkeeping (logits processors, stopping
+criteria, cache-position and mask preparation) costs about as much as the model's own forward
+pass on a small model, and it keeps finished rows in the batch until the longest one ends. This
+loop keeps only what sampling needs, samples every row at once, and returns the log-probability of
+each sampled token under the model (temperature 1) from the same logits, so an off-policy update
+needs no second forward pass for its behaviour log-probs.
+
+Sampling is from the model's full distribution with temperature and top-p only (no implicit
+top-k: `generate` would apply generation_config's top_k=50, so the samples would not come from
+the policy whose log-probs the update uses). Works with any transformers causal LM that takes
+`position_ids` and a `DynamicCache` (Llama, Qwen2, Mistral, GPT-2, Phi-3, ...). Pure PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
+
+
+@dataclass
+class Decoded:
+    tokens: list[list[int]]  # per row: the sampled tokens, the stop token included when one was hit
+    logprobs: list[torch.Tensor] | None  # per row: (len(tokens),) log p(token) at temperature 1
+    stopped: int  # rows that ended on a stop token (the rest ran to max_new_tokens)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
+    """One token per row of `logits` (B, V): greedy below GREEDY_BELOW, else a sample from
+    softmax(logits / T) restricted to the nucleus of mass `top_p` (Holtzman et al. 2020)."""
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the mass before this token is still under top_p
+    keep[:, 0] = True  # the top token always survives
+    choice = torch.multinomial(sorted_p * keep, 1, generator=generator)  # multinomial renormalises
+    return order.gather(-1, choice).squeeze(-1)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _cache_argument(model) -> str:
+    """The forward argument that takes the KV cache: `cache` in newer transformers (which warn on the
+    old name), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _keep_rows(cache, keep: torch.Tensor) -> None:
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+
+
+@torch.no_grad()
+def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_tokens: int,
+           temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           logprobs: bool = False) -> Decoded:
+    """Sample up to `max_new_tokens` after each prompt (token id lists of any lengths); a row ends
+    at the first token in `stop_ids`. Random draws come from `generator` (default: torch's global
+    generator, which the rollout checkpoints)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    B = len(prompts)
+    ids, mask = _left_pad(prompts, pad_id, device)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
+    cache = DynamicCache()
+    kv = {_cache_argument(model): cache, "use_cache": True}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
+    nxt_pos = pos[:, -1] + 1  # (b,) each live row's next position
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    live = torch.arange(B, device=device)  # original row of each row still in the batch
+    out_tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
+    out_lp = torch.zeros((B, max_new_tokens), device=device) if logprobs else None
+    stopped = 0
+    for t in range(max_new_tokens):
+        tok = sample_tokens(logits, temperature, top_p, generator).to(device)  # (b,)
+        out_tokens[live, t] = tok
+        if logprobs:
+            out_lp[live, t] = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+        done = torch.isin(tok, stops)
+        stopped += int(done.sum())
+        if t == max_new_tokens - 1:
+            break
+        if done.any():  # finished rows leave the batch, with their cache rows and mask
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            live, tok, mask, nxt_pos = live[keep], tok[keep], mask[keep], nxt_pos[keep]
+            _keep_rows(cache, keep)
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], **kv).logits[:, -1]
+        nxt_pos = nxt_pos + 1
+    tokens, lps = [], [] if logprobs else None
+    for row in out_tokens.cpu():
+        n = int((row >= 0).sum())
+        tokens.append(row[:n].tolist())
+    if logprobs:
+        lps = [out_lp[i, :len(tokens[i])].cpu() for i in range(B)]
+    return Decoded(tokens, lps, stopped)

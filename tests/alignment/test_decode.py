@@ -1,0 +1,73 @@
+"""The rollout's decoding loop (raypai.alignment._decode) against transformers' own `generate` and a
+full forward pass, on three model families with prompts of different lengths (left padding)."""
+
+import pytest
+import torch
+
+from raypai.alignment._decode import decode, sample_tokens
+from raypai.alignment._tensors import pad, token_logprobs
+from raypai.alignment.tasks.tiny import build_tiny_model
+from raypai.chat import ChatFormat
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "gpt2"])
+def family_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", family=request.param)
+    fmt = ChatFormat.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path).eval(), fmt
+
+
+def _prompts(fmt):
+    return [fmt.prompt_ids(p) for p in ("1+2=", "13+27=", "a much longer prompt: 40+41=", "7+7=")]
+
+
+def test_greedy_tokens_are_those_of_hf_generate(family_model):
+    model, fmt = family_model
+    prompts = _prompts(fmt)
+    stops = list(fmt.stop_ids)
+    mine = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stops, max_new_tokens=12, temperature=0)
+    for p, got in zip(prompts, mine.tokens):  # one prompt at a time: no padding on HF's side
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=stops,
+                             pad_token_id=fmt.tok.pad_token_id)[0, len(p):].tolist()
+        cut = next((j for j, t in enumerate(ref) if t in stops), None)
+        assert got == (ref if cut is None else ref[:cut + 1])
+
+
+def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model):
+    model, fmt = family_model
+    prompts = _prompts(fmt) * 4
+    stop = list(fmt.stop_ids)
+    # a model this small rarely emits its stop token; stop on two frequent tokens as well so rows end early
+    frequent = torch.topk(model(torch.tensor([prompts[0]])).logits[0, -1], 2).indices.tolist()
+    g = torch.Generator().manual_seed(3)
+    d = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stop + frequent, max_new_tokens=10,
+               generator=g, logprobs=True)
+    ended = [t for t in d.tokens if t and t[-1] in stop + frequent]
+    assert 0 < len(ended) == d.stopped < len(prompts)  # some rows left the batch early, others ran on
+    for toks in d.tokens:
+        assert all(t not in stop + frequent for t in toks[:-1])  # nothing after a stop token
+        assert 1 <= len(toks) <= 10
+    # the log-probs returned with the samples equal a full forward pass over prompt + completion
+    batch = pad([p + t for p, t in zip(prompts, d.tokens)], [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, d.tokens)],
+                fmt.tok.pad_token_id)
+    with torch.no_grad():
+        full = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    for i, (p, lp) in enumerate(zip(prompts, d.logprobs)):
+        assert torch.allclose(lp, full[i, len(p) - 1:len(p) - 1 + len(lp)], atol=1e-4)
+
+
+def test_sampling_follows_temperature_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    freq = torch.bincount(sample_tokens(logits, 1.0, 1.0, g), minlength=4) / 20000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015)
+    # top-p 0.7: the nucleus is {0, 1} (0.5 before token 1 is < 0.7; 0.8 before token 2 is not)
+    freq = torch.bincount(sample_tokens(logits, 1.0, 0.7, g), minlength=4) / 20000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.015
+    # temperature 0.5 sharpens: p ∝ p₀², so token 0 gets 0.25 / (0.25 + 0.09 + 0.0225 + 0.0025)
+    freq = torch.bincount(sample_tokens(logits, 0.5, 1.0, g), minlength=4) / 20000
+    assert abs(freq[0] - 0.25 / 0.365) < 0.015
+    assert sample_tokens(logits[:3], 0.0, 1.0).tolist() == [0, 0, 0]
