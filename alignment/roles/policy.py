@@ -98,7 +98,7 @@ class PolicyTrainer:
         lp = self._lp(batch)
         per_token, clipped = clipped_surrogate(lp, old_lp, advantages, clip_eps=clip_eps)
         m = batch["response_mask"]
-        loss = -masked_mean(per_token, m)
+        loss = masked_mean(per_token, m)
         return {"policy_loss": loss.item(), "clip_fraction": masked_mean(clipped.float(), m).item(),
                 "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}
 
