@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raypai.data.ops.dedup import ExactDedup
+from raypai.data.ops.base import AnnotatingFilter, Filter, Mapper
+from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 
 # Per-op worker seconds travel with the rows (no counter actor, one process fewer): each row of a
 # batch carries its share, batch seconds / rows, so summing a shard's column gives the shard's time.
@@ -31,7 +32,8 @@ def clean_shards(batch: pa.Table, raw_dir: str, batch_size: int, **row_ops_kwarg
             yield apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs)
 
 
-def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list) -> pa.Table:
+def apply_row_ops(batch: pa.Table, ops: list[Mapper | Filter],
+                  dedup_ops: list[ExactDedup | MinHashDedup]) -> pa.Table:
     """Run mappers and filters over one batch, then compute the dedup keys of the surviving rows.
 
     Rows a filter rejects stay in the batch, marked with the op, the reason and the stat value (the
@@ -50,16 +52,19 @@ def apply_row_ops(batch: pa.Table, ops: list, dedup_ops: list) -> pa.Table:
         t0 = time.perf_counter()
         idx = np.flatnonzero(alive)
         sub = [texts[i] for i in idx]
-        if hasattr(op, "map_texts"):
+        if isinstance(op, Mapper):
             for i, t in zip(idx, op.map_texts(sub)):
                 texts[i] = t
         else:
-            ann = op.annotate(sub) if hasattr(op, "annotate") else None
-            stats = op.stats(sub, ann) if ann is not None else op.stats(sub)
+            if isinstance(op, AnnotatingFilter):
+                ann = op.annotate(sub)
+                stats = op.stats(sub, ann)
+            else:
+                ann, stats = {}, op.stats(sub)
             col = np.full(n, np.nan)
             col[idx] = stats
             extra[f"stats.{op.name}"] = pa.array(col)
-            for k, vals in (ann or {}).items():
+            for k, vals in ann.items():
                 full = [None] * n
                 for i, v in zip(idx, vals):
                     full[i] = v

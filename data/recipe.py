@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from raypai.config import coerce, type_name, unknown_key
+from raypai.data.ops.base import Filter, Mapper
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
                                      GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
@@ -80,7 +81,10 @@ def load_recipe(recipe) -> list:
             name, params = next(iter(entry.items()))
             params = params or {}
         elif not isinstance(entry, dict | str) and hasattr(entry, "name"):
-            ops.append(entry)  # an op object built in Python
+            if problem := _not_an_op(entry, i, entry.name):  # an op object built in Python
+                problems.append(problem)
+            else:
+                ops.append(entry)
             continue
         else:
             problems.append(f"op #{i}: {entry!r} is neither a name nor a single-key mapping {{name: {{params}}}}")
@@ -93,9 +97,14 @@ def load_recipe(recipe) -> list:
             problems += errs
             continue
         try:
-            ops.append(cls(**params))
+            op = cls(**params)
         except (TypeError, ValueError, OSError) as exc:
             problems.append(f"op #{i} {name}: {exc}")
+            continue
+        if problem := _not_an_op(op, i, name):
+            problems.append(problem)
+        else:
+            ops.append(op)
     if problems:
         raise ConfigError(problems, what="recipe")
     return ops
@@ -113,6 +122,15 @@ def _resolve(name: str, i: int, problems: list):
             return None
     problems.append(f"op #{i}: unknown op {name!r}; valid ops: {', '.join(OPS)} (or 'package.module:Class')")
     return None
+
+
+def _not_an_op(op, i: int, name: str) -> str | None:
+    """Why `op` cannot run as a recipe step (None when it can): a custom op that is neither a
+    mapper, a filter nor a dedup op would fail on every Ray worker instead of here."""
+    if isinstance(op, Mapper | Filter) or is_dedup(op):
+        return None
+    return (f"op #{i} {name}: {type(op).__name__} is not an op; a mapper has `name` and `map_texts(texts)`, a "
+            "filter `name`, `stats(texts)` and `keep(stats)` (see raypai.data.ops.base)")
 
 
 def _check_params(cls, name: str, params: dict, i: int) -> tuple[dict, list[str]]:

@@ -1,46 +1,40 @@
-"""What every cleaning op is: a small object over `pyarrow.Table` batches.
+"""What a row op is: the contract `raypai.data._execute.apply_row_ops` dispatches on, and that
+`load_recipe` checks a custom op against before any work.
 
-Mappers return a new text column. Filters return a stat per row (written to `stats.<name>`) and a
-keep mask from thresholds — "compute a stat, then threshold", as data-juicer's filters do.
+A mapper returns a new text per row. A filter returns a stat per row (written to `stats.<name>`)
+and a keep mask from it — "compute a stat, then threshold", as data-juicer's filters do. A filter
+that also `annotate`s writes those per-row columns too and gets them back in `stats`, so it
+computes them once (`language`: `lang`, `lang_score`). Ops see the texts of the rows still alive,
+in order; every array they return has one entry per text. (Dedup ops are not row ops:
+`ExactDedup`/`MinHashDedup` compute keys that the driver merges.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
-import pyarrow as pa
 
 
+@runtime_checkable
 class Mapper(Protocol):
     name: str
 
     def map_texts(self, texts: list[str]) -> list[str]: ...
 
 
+@runtime_checkable
 class Filter(Protocol):
     name: str
 
-    def stats(self, texts: list[str]) -> np.ndarray: ...
+    def stats(self, texts: list[str]) -> np.ndarray: ...  # (N,) float64
 
-    def keep(self, stats: np.ndarray) -> np.ndarray: ...
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """min/max thresholds shared by the ratio and count filters (inclusive)."""
-
-    min_value: float = float("-inf")
-    max_value: float = float("inf")
-
-    def mask(self, stats: np.ndarray) -> np.ndarray:
-        return (stats >= self.min_value) & (stats <= self.max_value)
+    def keep(self, stats: np.ndarray) -> np.ndarray: ...  # (N,) bool, from `stats`' output
 
 
-def texts_of(table: pa.Table) -> list[str]:
-    return table.column("text").to_pylist()
+@runtime_checkable
+class AnnotatingFilter(Filter, Protocol):
+    def annotate(self, texts: list[str]) -> dict[str, list]: ...  # column name -> N values
 
-
-def param_names(cls) -> list[str]:
-    return [f.name for f in fields(cls) if not f.name.startswith("_") and f.name != "name"]
+    # `annotations`: what `annotate` returned for these texts (None: compute them here)
+    def stats(self, texts: list[str], annotations: dict[str, list] | None = None) -> np.ndarray: ...

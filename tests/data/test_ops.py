@@ -1,8 +1,12 @@
 """Per-op unit tests on hand-written inputs, edge cases included."""
 
+from dataclasses import dataclass
+
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from raypai.data._execute import apply_row_ops
 from raypai.data.ops import minhash
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup, UnionFind, normalize
 from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
@@ -215,3 +219,45 @@ def test_recipe_validation_reports_every_problem(tmp_path):
     assert [o.name for o in ops] == ["whitespace_normalize", "word_count", "exact_dedup"] and ops[1].min_value == 3
     with pytest.raises(ConfigError, match="not found"):
         load_recipe(str(tmp_path / "missing.yaml"))
+
+
+@dataclass(frozen=True)
+class Shout:
+    """A custom mapper: any object with `name` and `map_texts`."""
+
+    name: str = "shout"
+
+    def map_texts(self, texts):
+        return [t.upper() for t in texts]
+
+
+@dataclass(frozen=True)
+class StatsOnly:
+    """`stats` without `keep`: not a filter (it cannot say which rows to keep)."""
+
+    name: str = "stats_only"
+
+    def stats(self, texts):
+        return np.zeros(len(texts))
+
+
+def test_row_ops_dispatch_on_the_op_contract():
+    """A mapper rewrites the alive rows; a filter's stat lands in `stats.<name>` and its rejects are
+    marked; an annotating filter (`language`) also writes its columns; later ops skip dropped rows."""
+    texts = ["the cat sat on the mat and it was happy with the day", "one", "qwrtz pls dfgkj xcvbn mnbvc"]
+    out = apply_row_ops(pa.table({"text": texts}), [Shout(), WordCount(min_value=2), Language()], [])
+    assert out.column("text").to_pylist() == [t.upper() for t in texts]
+    assert out.column("stats.word_count").to_pylist() == [13, 1, 5]
+    assert out.column("drop_op").to_pylist() == [None, "word_count", "language"]
+    assert out.column("lang").to_pylist() == ["en", None, "und"]  # not run on the row word_count dropped
+    assert np.isnan(out.column("stats.language").to_pylist()[1])
+
+
+def test_recipe_refuses_an_object_that_is_not_an_op():
+    assert load_recipe([Shout(), "word_count"])[0].name == "shout"
+    with pytest.raises(ConfigError) as err:
+        load_recipe([StatsOnly(), "word_count", "collections:Counter"])
+    msgs = err.value.problems
+    assert len(msgs) == 2
+    assert msgs[0].startswith("op #0 stats_only: StatsOnly is not an op") and "keep(stats)" in msgs[0]
+    assert msgs[1].startswith("op #2 collections:Counter: Counter is not an op")
