@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raypai.errors import ConfigError
+
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
 
 
@@ -84,7 +86,12 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
     cache = DynamicCache()
     kv = {_cache_argument(model): cache, "use_cache": True}
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
+    try:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
+    except TypeError as exc:  # a forward without position_ids or a cache argument
+        raise ConfigError([f"raypai's rollout loop cannot drive {type(model).__name__} ({exc}); set "
+                           "rollout_engine='hf' in the algorithm's config to sample with transformers' generate"],
+                          what="rollout engine") from exc
     nxt_pos = pos[:, -1] + 1  # (b,) each live row's next position
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     live = torch.arange(B, device=device)  # original row of each row still in the batch

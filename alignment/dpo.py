@@ -46,6 +46,9 @@ def preference_metrics(policy, ref: ChosenRejected, chosen: dict, rejected: dict
     return {"preference_accuracy": out.accuracy, "margin": out.margin}
 
 
+IN_FLIGHT = 4  # offline DPO steps queued on the policy actor at once
+
+
 def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DPOConfig, *,
             run_name: str = "dpo", prompts: list | None = None, held_out: list | None = None,
             rewards=None, logger=None, lineage: dict | None = None) -> dict:
@@ -93,6 +96,14 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None
         else:  # reference log-probs of every pair, computed once
             ref_all = ChosenRejected(_seq_lp(reference, all_c), _seq_lp(reference, all_r))
+        # offline batches do not depend on the updates, so up to IN_FLIGHT steps are queued on the
+        # policy actor (it runs them in order) and the driver's round trip leaves the critical path
+        in_flight: list = []
+
+        def log(step, m):
+            if logger is not None:
+                logger.log_metrics({f"dpo/{k}": v for k, v in m.items()}, step=step)
+
         for step in range(1, cfg.steps + 1):
             if cfg.online:
                 s = sample([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
@@ -104,18 +115,22 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
                 # the pair's sequences are the sampled token ids themselves (no re-tokenization)
                 c = _rows(s.batch, [i for i, _ in idx_pairs], pad_id)
                 r = _rows(s.batch, [j for _, j in idx_pairs], pad_id)
-                batch_pairs = idx_pairs
                 ref = ChosenRejected(_seq_lp(reference, c), _seq_lp(reference, r))
-            else:
-                idx = [rng.randrange(len(pairs)) for _ in range(cfg.batch_size)]
-                c, r = _rows(all_c, idx, pad_id), _rows(all_r, idx, pad_id)
-                ref = ChosenRejected(ref_all.chosen[idx], ref_all.rejected[idx])
-            m = ray.get(policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
-                                               cfg.label_smoothing))
-            if cfg.online:
-                m.update(pairs=len(batch_pairs), reward_mean=sum(scores) / len(scores), **sync_weights(policy, [rollout]))
-            if logger is not None:
-                logger.log_metrics({f"dpo/{k}": v for k, v in m.items()}, step=step)
+                m = ray.get(policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
+                                                   cfg.label_smoothing))
+                m.update(pairs=len(idx_pairs), reward_mean=sum(scores) / len(scores), **sync_weights(policy, [rollout]))
+                log(step, m)
+                continue
+            idx = [rng.randrange(len(pairs)) for _ in range(cfg.batch_size)]
+            c, r = _rows(all_c, idx, pad_id), _rows(all_r, idx, pad_id)
+            ref = ChosenRejected(ref_all.chosen[idx], ref_all.rejected[idx])
+            in_flight.append((step, policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
+                                                           cfg.label_smoothing)))
+            if len(in_flight) >= IN_FLIGHT:
+                done_step, ref_m = in_flight.pop(0)
+                log(done_step, ray.get(ref_m))
+        for done_step, ref_m in in_flight:
+            log(done_step, ray.get(ref_m))
         after = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         metrics = {"preference_accuracy_before": before["preference_accuracy"],
                    "preference_accuracy_after": after["preference_accuracy"],

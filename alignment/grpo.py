@@ -17,6 +17,7 @@ against the log-probs of those sampling weights (returned by the rollout with th
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict
 
@@ -65,7 +66,8 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     # CPUs (several rollout replicas split the batch and those CPUs between them); async: rollout and
     # update overlap, each in its own bundle with one thread
     colocate = () if cfg.async_rollout else (tuple(specs),)
-    shared = max(1, round(sum(r.cpus * r.replicas for r in specs.values()))) if colocate else 1
+    # the bundle's CPUs, but no more threads than the machine has cores (oversubscribed threads only wait)
+    shared = max(1, min(round(sum(r.cpus * r.replicas for r in specs.values())), os.cpu_count() or 1)) if colocate else 1
     place = Placement(run_name, specs, colocate=colocate)
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,

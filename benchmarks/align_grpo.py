@@ -76,7 +76,9 @@ def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_
     name = f"raypai_grpo_{'async' if async_rollout else 'sync'}_{prompts}x{group}"
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=prompts, group_size=group, lr=1e-6, beta=0.0,
                      aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed,
-                     async_rollout=async_rollout, train_threads=args.train_threads, rollout_threads=args.rollout_threads)
+                     async_rollout=async_rollout, train_threads=args.train_threads, rollout_threads=args.rollout_threads,
+                     rollout_engine=args.rollout_engine,
+                     rollout_replicas=1 if async_rollout else args.sync_rollout_replicas)
     t0 = time.perf_counter()
     summary = run_grpo(model_dir, str(out / name), prompt_examples(ar.prompt_rows(train)),
                        prompt_examples(ar.prompt_rows(held)), cfg, run_name=name.replace("_", "-"),
@@ -87,7 +89,8 @@ def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_
            "step_seconds": seconds / len(steady),
            "response_length": sum(r["response_length"] for r in steady) / len(steady),
            "reward_mean": summary["mean_reward_mean"], "sync_bytes": summary["sync_bytes"],
-           "async_rollout": async_rollout, "wall_s_incl_startup": time.perf_counter() - t0}
+           "async_rollout": async_rollout, "rollout_engine": args.rollout_engine,
+           "rollout_replicas": cfg.rollout_replicas, "wall_s_incl_startup": time.perf_counter() - t0}
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
 
@@ -206,6 +209,9 @@ def main() -> None:
     ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
     ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
     ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
+    ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf"), help="raypai GRPOConfig.rollout_engine")
+    ap.add_argument("--sync-rollout-replicas", type=int, default=2,
+                    help="rollout replicas of the synchronous runs (colocated: they split the batch and the cores)")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
     args = ap.parse_args()
 

@@ -10,6 +10,10 @@ PyTorch and transformers but no Ray, DeepSpeed or MLflow (the session's lent GPU
    seconds per step on CUDA and on the CPU;
 3. serving: the continuous-batching engine (`raypai.serving.engine.Engine`) and `generate_batch` with
    the model on CUDA give the CPU's greedy tokens, requests joining a running batch; tokens/s both ways.
+4. rollout (issue #14): a ~0.5B random-init Qwen2 (Qwen2-0.5B's shape) in bf16: the rollout's decoding
+   loop (`raypai.alignment._decode.decode`) vs HF `generate`, both sampling 64 prompts × 128 new tokens,
+   tokens/s; greedy tokens of both equal; and one GRPO policy update (bf16 autocast, fp32 AdamW) in
+   seconds and tokens/s. `python benchmarks/gpu_check.py rollout` runs this check alone.
 
 The pretraining loop (Ray Train + DeepSpeed) and the role actors cannot run there: not checked here.
 """
@@ -220,13 +224,98 @@ def check_serving() -> None:
     emit(check="serving_generate_batch_cuda", ok=all(r.completion_tokens > 0 for r in out), rows=len(out))
 
 
+def _qwen2_half_b():
+    """Qwen2-0.5B's shape (24 layers, hidden 896, 14/2 heads, vocab 151,936: 494M parameters), random init."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def check_rollout(batch: int = 64, new_tokens: int = 128) -> None:
+    from raypai.alignment._decode import decode
+    from raypai.alignment.losses import grpo_loss
+
+    model = _qwen2_half_b().to("cuda", torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (batch,), generator=g)]
+    stop = [151643]  # Qwen2's <|endoftext|>; a random model almost never samples it, so rows run to the limit
+
+    def hf(temperature: float, max_new: int):
+        width = max(map(len, prompts))
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        att = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], att[i, width - len(p):] = torch.tensor(p), 1
+        kw = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.cuda(), attention_mask=att.cuda(), max_new_tokens=max_new,
+                                 eos_token_id=stop, pad_token_id=0, min_new_tokens=max_new, **kw)
+        return [row[width:].tolist() for row in out.cpu()]
+
+    def mine(temperature: float, max_new: int):
+        return decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=max_new, temperature=temperature,
+                      logprobs=True).tokens
+
+    def timed(fn):
+        fn(1.0, 8)  # warm-up: kernels, allocator
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        toks = fn(1.0, new_tokens)
+        torch.cuda.synchronize()
+        return sum(map(len, toks)) / (time.perf_counter() - t0)
+
+    hf_tps, mine_tps = timed(hf), timed(mine)
+    greedy_same = sum(a[:len(b)] == b for a, b in zip(hf(0.0, 16), mine(0.0, 16)))
+    emit(check="rollout_qwen2_0.5b_bf16", ok=greedy_same >= batch - 2, params_m=n_params / 1e6, batch=batch,
+         new_tokens=new_tokens, hf_generate_tokens_per_s=hf_tps, raypai_decode_tokens_per_s=mine_tps,
+         speedup=mine_tps / hf_tps, greedy_rows_equal=greedy_same)
+
+    # one GRPO policy update on the samples: bf16 autocast over fp32 master weights, AdamW
+    model = model.float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    seqs = [p + t for p, t in zip(prompts, mine(1.0, new_tokens))]
+    width = max(map(len, seqs))
+    x = torch.zeros((batch, width), dtype=torch.long)
+    m = torch.zeros((batch, width), dtype=torch.long)
+    for i, sq in enumerate(seqs):
+        x[i, :len(sq)], m[i, :len(sq)] = torch.tensor(sq), 1
+    x, m = x.cuda(), m.cuda()
+    resp = m[:, 1:].float()
+    adv = torch.randn(batch, device="cuda")
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for half in (slice(0, batch // 2), slice(batch // 2, batch)):  # two micro-batches of 32
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                lp = token_logprobs(model, x[half], m[half])
+                loss, _ = grpo_loss(lp, lp.detach(), None, adv[half], resp[half], aggregation="dapo")
+            (loss / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = sorted(times[1:])[len(times[1:]) // 2]
+    emit(check="grpo_update_qwen2_0.5b_bf16_autocast", ok=bool(torch.isfinite(loss).item()), batch=batch,
+         tokens=int(m.sum()), median_step_s=step, tokens_per_s=int(m.sum()) / step,
+         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         emit(check="cuda_available", ok=False, reason="no CUDA device: run this on a GPU machine")
         return 1
     emit(check="device", ok=True, name=torch.cuda.get_device_name(0), torch=torch.__version__,
          transformers=__import__("transformers").__version__)
-    for fn in (check_losses, check_training, check_serving):
+    checks = (check_losses, check_training, check_serving, check_rollout)
+    if len(sys.argv) > 1:
+        checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")
+    for fn in checks:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
