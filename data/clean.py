@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypai.data import _execute as ex
+from raypai.data._faults import Faults
 from raypai.data.ops.dedup import ExactDedup
 from raypai.data.recipe import describe, is_dedup, load_recipe
 from raypai.data.report import write_report
@@ -49,13 +50,14 @@ def _split_recipe(ops: list) -> tuple[list, list]:
 
 
 def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_dir: str | Path | None = None,
-          batch_size: int = 1024, logger=None, progress=print, stop_after_shards: int | None = None) -> dict:
+          batch_size: int = 1024, logger=None, progress=print) -> dict:
     """Clean the ingested dataset in `raw_dir` into `out_dir`; return its manifest.
 
     `recipe`: 'default', a YAML path or a list (see `load_recipe`). `work_dir` holds per-shard
     results; a run that dies part-way resumes from the shards committed there. `logger`: anything
-    with `log_metrics(dict)` (a RunLogger). `stop_after_shards` simulates a kill (for tests)."""
+    with `log_metrics(dict)` (a RunLogger)."""
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
+    faults = Faults.from_env()  # raypai's own tests only (raypai.data._faults)
     ops = load_recipe(recipe)
     row_ops, dedup_ops = _split_recipe(ops)
     if not ray.is_initialized():  # a library never starts Ray itself: the caller says which Ray
@@ -80,7 +82,7 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
         ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
                             fn_kwargs={"raw_dir": str(raw_dir), "batch_size": batch_size, "ops": row_ops,
                                        "dedup_ops": dedup_ops})
-        _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, stop_after_shards, len(ops))
+        _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, faults, len(ops))
     # worker seconds per op of every shard's filtering (resumed shards: from the run that did them)
     seconds = np.zeros(len(ops))
     for p in parts:
@@ -139,8 +141,7 @@ def _prepare_work(work: Path, recipe_desc: list) -> None:
     marker.write_text(text)
 
 
-def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_after_shards: int | None,
-                       n_ops: int) -> None:
+def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, faults: Faults, n_ops: int) -> None:
     """One Ray Data execution over all pending shards; batches arrive in any order and a shard is
     committed as soon as all its rows are back (so a kill loses at most the shards in flight)."""
     buffers: dict[str, list[pa.Table]] = defaultdict(list)
@@ -156,8 +157,7 @@ def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, stop_
                 _commit_shard(work, part, pa.concat_tables(buffers.pop(part)), n_ops)
                 committed += 1
                 progress(f"clean: filtered shards {committed}/{len(expected)}")
-                if stop_after_shards is not None and committed >= stop_after_shards:
-                    raise DataError(f"clean stopped after {committed} shards (stop_after_shards); run again to resume")
+                faults.after_commit(committed)
     short = {p: f"{got[p]}/{n}" for p, n in expected.items() if got[p] != n}
     if short:
         raise DataError(f"rows went missing in the Ray Data pass ({short}); nothing was committed for these "

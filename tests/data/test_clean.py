@@ -195,11 +195,15 @@ def test_minhash_recall_precision_and_near_misses_against_exact_jaccard(corpus):
         assert abs(r["stat"] - jac(d, partner[1])) <= tol, (r["reason"], jac(d, partner[1]))
 
 
-def test_killed_run_resumes_per_shard_to_the_same_digest(corpus, tmp_path):
+def test_killed_run_resumes_per_shard_to_the_same_digest(corpus, tmp_path, monkeypatch):
+    from raypai.data._faults import ENV, Faults
+
     root, _, _ = corpus
     work = tmp_path / "work"
+    monkeypatch.setenv(ENV, Faults(stop_after_shards=2).to_env())  # the "kill", after two committed shards
     with pytest.raises(DataError, match="resume"):
-        clean(root / "ingested", tmp_path / "first", work_dir=work, stop_after_shards=2)
+        clean(root / "ingested", tmp_path / "first", work_dir=work)
+    monkeypatch.delenv(ENV)
     done = sorted(p.name for p in (work / "done").glob("*.json"))
     assert len(done) == 2  # two shards committed before the "kill"
     before = {p: (work / "kept" / p.removesuffix(".json")).stat().st_mtime for p in done}
@@ -263,3 +267,35 @@ def test_tokenizer_and_token_shards(corpus, tmp_path):
     assert m["tokenizer_digest"] == digest_dir(tmp_path / "tok")[0]
     with pytest.raises(ConfigError, match="vocab_size"):
         train_tokenizer(root / "clean", tmp_path / "t2", vocab_size=100)
+
+
+def test_the_resume_drills_kill_is_private_not_a_clean_option(monkeypatch):
+    """The resume test's simulated kill is set through RAYPAI_DATA_FAULTS (raypai.data._faults), never
+    through clean()'s signature, the clean step's or `raypai data clean`'s options."""
+    import inspect
+
+    import typer
+    from typer.testing import CliRunner
+
+    from raypai.cli.main import app
+    from raypai.data import steps
+
+    for fn in (clean, steps.clean.fn):
+        assert "stop_after_shards" not in inspect.signature(fn).parameters, fn
+    data_cli = typer.main.get_command(app).commands["data"].commands["clean"]
+    assert {p.name for p in data_cli.params} == {"input_dir", "output_dir", "recipe", "text_mode"}
+    help_text = CliRunner().invoke(app, ["data", "clean", "--help"], env={"COLUMNS": "200"}).output
+    assert "--recipe" in help_text and "stop" not in help_text and "FAULTS" not in help_text, help_text
+
+    from raypai.data._faults import ENV, Faults
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert Faults.from_env() == Faults()
+    monkeypatch.setenv(ENV, Faults(stop_after_shards=2).to_env())
+    assert Faults.from_env() == Faults(stop_after_shards=2)
+    Faults.from_env().after_commit(1)  # one shard committed: goes on
+    with pytest.raises(DataError, match="clean stopped after 2 shards .*run again to resume"):
+        Faults.from_env().after_commit(2)
+    monkeypatch.setenv(ENV, '{"stop_after": 2}')
+    with pytest.raises(ValueError, match=r"unknown keys \['stop_after'\]"):
+        Faults.from_env()
