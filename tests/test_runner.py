@@ -236,6 +236,40 @@ def test_bad_pipeline_definitions_are_clear_errors(raypai_home):
         write_text(n=1)
 
 
+def test_parameters_and_step_arguments_are_read_like_every_config():
+    """Pipeline parameters and step arguments go through raypai.config's reader: text is read as the
+    annotated number or boolean, every wrong type is named with its value in one error, and an int
+    where a float is wanted is kept as given (it enters the cache key)."""
+    with pytest.raises(ConfigError) as err:
+        toy.coerce_params({"n": 2.5, "upper": "maybe", "seed": True})
+    assert err.value.problems == [
+        "pipeline 'toy': parameter 'n' must be int (got float 2.5); pass e.g. --param n=3",
+        "pipeline 'toy': parameter 'upper' must be bool (got str 'maybe'); pass e.g. --param upper=true",
+        "pipeline 'toy': parameter 'seed' must be int (got bool True); pass e.g. --param seed=3"]
+    assert toy.coerce_params({"n": "1e2", "seed": 4.0}) == {"n": 100, "upper": True, "fail_if_exists": "", "seed": 4}
+
+    @step
+    def scaled(x: float = 1.0, times: int = 1, label: str = "") -> float:
+        return x * times
+
+    @pipeline
+    def args_as_text():
+        scaled(x=3, times="2")
+
+    assert args_as_text.build().nodes["scaled"].args == {"x": 3, "times": 2, "label": ""}
+    assert isinstance(args_as_text.build().nodes["scaled"].args["x"], int)
+
+    @pipeline
+    def wrong_args():
+        scaled(x="fast", times=1.5, label=3)
+
+    with pytest.raises(ConfigError) as err:
+        wrong_args.build()
+    assert err.value.problems == ["step 'scaled': parameter 'x' must be float (got str 'fast')",
+                                  "step 'scaled': parameter 'times' must be int (got float 1.5)",
+                                  "step 'scaled': parameter 'label' must be str (got int 3)"]
+
+
 def test_unreachable_database_fails_before_anything_runs(raypai_home, monkeypatch):
     with pytest.raises(StoreError, match="RAYPAI_DATABASE_URL"):
         Runner(raypai_home.replace(database_url="postgresql+psycopg://x@127.0.0.1:1/none"))

@@ -25,10 +25,12 @@ import threading
 import typing
 from dataclasses import dataclass, field
 
-from raypai.config import coerce, unknown_key
+from raypai.config import coerce, type_name, unknown_key
 from raypai.errors import ConfigError, PipelineError
 
 _BUILD = threading.local()  # the DAG under construction while a @pipeline function body runs
+# The parameter types checked when a pipeline is built; a StepOutput, a container or a class of the
+# user's own is what the step it comes from (or the user) makes it.
 _SIMPLE_TYPES = (int, float, str, bool)
 
 
@@ -162,9 +164,10 @@ class StepDef:
             raise PipelineError(f"step {self.name!r} in pipeline {dag.pipeline!r}: {exc}; "
                                 f"its parameters are: {valid}") from None
         bound.apply_defaults()
-        problems = []
+        args, problems = {}, []
         for pname, value in bound.arguments.items():
-            problems += _check_type(self.name, pname, value, self.hints.get(pname))
+            args[pname], problem = _typed(f"step {self.name!r}", pname, value, self.hints.get(pname))
+            problems += [problem] if problem else []
         if problems:
             raise ConfigError(problems, what=f"call of step {self.name!r}")
         name = _node or self.name
@@ -173,7 +176,7 @@ class StepDef:
         i = 2
         while name in dag.nodes:
             name, i = f"{self.name}_{i}", i + 1
-        dag.nodes[name] = Node(name, self, dict(bound.arguments))
+        dag.nodes[name] = Node(name, self, args)
         return StepOutput(name)
 
 
@@ -213,23 +216,19 @@ class PipelineDef:
         return dag
 
     def coerce_params(self, params: dict) -> dict:
-        """Check names and convert CLI strings to the annotated types (raypai.config); all problems at once."""
+        """Check names and read values as the annotated types (raypai.config: `--param` text "3e-3" and
+        "false" become numbers and booleans); all problems at once."""
         valid = list(self.signature.parameters)
         problems = [f"pipeline {self.name!r}: {unknown_key(k, valid, noun='parameter')}"
                     for k in params if k not in valid]
         out = {}
         for pname, p in self.signature.parameters.items():
             if pname in params:
-                value = params[pname]
                 hint = self.hints.get(pname)
-                if isinstance(value, str) and hint in (int, float, bool):  # --param text: "3e-3", "false"
-                    try:
-                        value = coerce(hint, value)
-                    except ValueError:
-                        problems.append(f"parameter {pname!r} of pipeline {self.name!r} must be {hint.__name__} "
-                                        f"(got {value!r}); pass e.g. --param {pname}={_example(hint)}")
-                        continue
-                problems += _check_type(self.name, pname, value, hint)
+                value, problem = _typed(f"pipeline {self.name!r}", pname, params[pname], hint)
+                if problem:
+                    problems.append(f"{problem}; pass e.g. --param {pname}={_example(hint)}")
+                    continue
                 out[pname] = value
             elif p.default is inspect.Parameter.empty:
                 problems.append(f"pipeline {self.name!r} needs parameter {pname!r}; pass --param {pname}=VALUE")
@@ -291,14 +290,17 @@ def _hints(fn) -> dict:
         return {}
 
 
-def _check_type(owner: str, pname: str, value, hint) -> list[str]:
+def _typed(owner: str, pname: str, value, hint) -> tuple[object, str | None]:
+    """(`value` read as `hint` by the core's reader, the problem or None): "3" → 3, "false" → False,
+    3.5 for an int or True for an int refused. An int where a float is wanted stays the int it was:
+    arguments enter the cache key as given."""
     if isinstance(value, StepOutput) or hint not in _SIMPLE_TYPES or value is None:
-        return []
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return []
-    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
-        return []
-    return [f"{owner}: parameter {pname!r} must be {hint.__name__}, got {type(value).__name__} {value!r}"]
+        return value, None
+    try:
+        typed = coerce(hint, value)
+    except ValueError:
+        return value, f"{owner}: parameter {pname!r} must be {type_name(hint)} (got {type(value).__name__} {value!r})"
+    return (value if hint is float and isinstance(value, int) else typed), None
 
 
 def _example(hint) -> str:
