@@ -107,11 +107,14 @@ def run_raypai(inp: Path, work: Path, minhash: bool, cpus: int, recipe: list | N
     import ray
 
     from raypai.data import DEFAULT_RECIPE, clean, ingest
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
 
     if recipe is None:
         recipe = [op for op in DEFAULT_RECIPE if minhash or op not in ("exact_dedup", "minhash_dedup")]
     t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # a Ray of this run's own (never RAY_ADDRESS or raypai's recorded head): `cpus` is what is compared
+    ensure_ray(Settings.load(), local=True, num_cpus=cpus, dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     t1 = time.perf_counter()
     ingest(inp, work / "ing")

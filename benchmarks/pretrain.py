@@ -111,6 +111,15 @@ def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def start_ray(**options) -> None:
+    """A Ray of this benchmark's own, never RAY_ADDRESS or raypai's recorded head: 4 logical CPUs
+    (2 workers + the Train controller on 2 cores), no dashboard, workers' logs kept off the JSON lines."""
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
+
+    ensure_ray(Settings.load(), local=True, num_cpus=4, dashboard=False, log_to_driver=False, **options)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -150,7 +159,7 @@ def main() -> None:
               "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
     if not args.only_streaming:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        start_ray()
         try:
             if not args.only_checkpoint:
                 stages = [int(x) for x in args.zero_stages.split(",")]
@@ -265,8 +274,7 @@ def streaming(args, base: PretrainConfig, common: dict, tokens: np.ndarray, work
     trace = work / "stream-trace"
     trace.mkdir()
     os.environ[FAULTS_ENV] = Faults(trace_dir=str(trace)).to_env()  # the workers record their memory peaks
-    ray.init(address="local", num_cpus=4, object_store_memory=store_bytes, include_dashboard=False,
-             log_to_driver=False)
+    start_ray(object_store_memory=store_bytes)
     try:
         Path("/proc/self/clear_refs").write_text("5")
         rss0 = _status_bytes("VmRSS")

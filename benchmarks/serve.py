@@ -156,17 +156,19 @@ def main(args) -> None:
     import ray
     from ray import serve
 
+    from raypai.runtime import ensure_ray
     from raypai.serving.control import Controller, serve_port
     from raypai.serving.router import app_name
     from raypai.settings import Settings
     from raypai.store import MetadataStore
     from raypai.tracking import Tracker
 
-    os.environ.setdefault("RAYPAI_SERVE_PORT", str(free_port()))  # not 8000: Serve binds with SO_REUSEPORT
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     home = Path(tempfile.mkdtemp(prefix="raypai-bench-serve-"))
-    settings = Settings.load({"RAYPAI_HOME": str(home)})
+    # not 8000: Serve binds with SO_REUSEPORT, so another server there would share the load
+    port = os.environ.get("RAYPAI_SERVE_PORT") or str(free_port())
+    settings = Settings.load({"RAYPAI_HOME": str(home), "RAYPAI_SERVE_PORT": port})
     model_dir = build_model(home / "model", args.hidden, args.layers, context=256)
     Tracker(settings.mlflow_tracking_uri).register_model(model_dir, "bench", alias="champion")
     token = MetadataStore(settings.database_url).create_token("bench", ["infer"])
@@ -182,11 +184,12 @@ def main(args) -> None:
                              loadavg_1m=round(os.getloadavg()[0], 1)))  # the machine is shared: say how busy
         print(json.dumps(lines[-1]), flush=True)
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a Ray of this benchmark's own (never RAY_ADDRESS or raypai's recorded head), 4 logical CPUs
+    ensure_ray(settings, local=True, num_cpus=4, dashboard=False, log_to_driver=False)
     try:
         Controller(settings).create("bench", "bench", alias="champion", cpus=1.0, max_batch_size=16,
                                     batch_wait_timeout_s=args.batch_wait_ms / 1000)
-        url = f"http://127.0.0.1:{serve_port()}/v1/completions"
+        url = f"http://127.0.0.1:{serve_port(settings)}/v1/completions"
         server = serve.get_app_handle(app_name("bench", 1))
         # Rounds interleave every mode, so a burst of load from elsewhere hits all of them alike;
         # the summary compares each mode's best round.
