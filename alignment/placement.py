@@ -26,7 +26,7 @@ def _check_fits(run_name: str, bundles: list[dict]) -> None:
                 f"{have.get(res, 0):g}" for res in ("CPU", "GPU")
                 if sum(b.get(res, 0) for b in bundles) > have.get(res, 0)]
     if problems:
-        raise ConfigError(problems + ["start Ray with more logical CPUs (ray.init(num_cpus=8) or RAYPAI_RAY_NUM_CPUS=8), "
+        raise ConfigError(problems + ["start Ray with more logical CPUs (RAYPAI_RAY_NUM_CPUS=8, or raypai.runtime.ensure_ray(settings, num_cpus=8) from Python), "
                                       "or give the roles smaller RoleSpec.cpus / colocate them"], what="role placement")
 
 

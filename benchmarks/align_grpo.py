@@ -223,7 +223,10 @@ def main() -> None:
     model = build_tiny_model(out / "model", hidden=128, layers=4, heads=4, kv_heads=2, vocab_size=512,
                              seed=args.seed)
     common = {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
+
+    ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
     try:
         if args.only in (None, "grpo"):
             for batch in args.batches.split(","):

@@ -61,9 +61,9 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     ops = load_recipe(recipe)
     row_ops, dedup_ops = _split_recipe(ops)
     if not ray.is_initialized():  # a library never starts Ray itself: the caller says which Ray
-        raise DataError("clean() runs on Ray and none is connected in this process: call ray.init() (a local "
-                        "Ray, or address='auto' for a cluster) or raypai.runtime.ensure_ray(settings) first; "
-                        "`raypai data clean` and pipeline steps do this for you")
+        raise DataError("clean() runs on Ray and none is connected in this process: call "
+                        "raypai.runtime.ensure_ray(Settings.load()) first (raypai's Ray head, RAY_ADDRESS, or a local "
+                        "Ray); `raypai data clean` and pipeline steps do this for you")
     raw = json.loads((raw_dir / "manifest.json").read_text())
     rows_of = {p["file"]: p["rows"] for p in raw["parts"]}
     parts = list(rows_of)
