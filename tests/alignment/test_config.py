@@ -67,3 +67,16 @@ def test_numbers_written_as_text_are_read_and_wrong_types_named(tmp_path):
     (tmp_path / "bad.yaml").write_text("- steps\n- 3\n")
     with pytest.raises(ConfigError, match="expected a mapping of options"):
         _read_config(tmp_path / "bad.yaml")
+
+
+def test_a_role_asking_for_a_gpu_is_refused_before_anything_is_reserved():
+    """The role actors compute on CPUs only: a GPU request is refused, naming the role, instead of
+    reserving a GPU the role would leave idle (no Ray is needed to refuse)."""
+    from raypai.alignment.placement import Placement, RoleSpec
+
+    with pytest.raises(ConfigError) as err:
+        Placement("gpu-test", {"policy": RoleSpec(cpus=1, gpus=1), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
+                               "reward": RoleSpec(cpus=0.25)})
+    text = str(err.value)
+    assert "role 'policy' asks for 1 GPU(s)" in text and "role 'rollout' asks for 0.5 GPU(s)" in text
+    assert "'reward'" not in text and "run on CPUs only" in text
