@@ -10,8 +10,9 @@ with raypai's tokenizer and chat template, 64 chat prompts `a+b=` (a, b in 0..49
 prompts × group per step (default 1x8 and 8x8), at most 16 new tokens (a random model rarely stops
 early, so ≈ 15 on average), β = 0, lr 1e-6, the token-mean (`dapo`) loss, 20 steps; samples/s over
 steps 2..20 (step 1 is warm-up on both sides). The reward is the exact-answer rule.
-- `raypai_grpo_sync`: rollout, reward and update one after another (the roles share the cores:
-  the working role gets every thread, see docs/alignment.md);
+- `raypai_grpo_sync{R}r`: rollout, reward and update one after another (the roles share the cores:
+  the working role gets every thread, see docs/alignment.md), with R colocated rollout replicas
+  splitting each batch (`--sync-rollout-replicas`, default 1 and 2);
 - `raypai_grpo_async`: the next batch is generated while this one trains (one step off-policy);
 - `trl_grpo`: TRL `GRPOTrainer`, fp32, no gradient checkpointing, torch's default threads (its
   fastest CPU setting), same stop tokens.
@@ -66,19 +67,20 @@ def workload(n_prompts: int, seed: int):
     return items[:n_prompts], items[n_prompts:n_prompts + 16]
 
 
-def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool) -> dict:
+def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool,
+               replicas: int = 1) -> dict:
     from raypai.alignment import GRPOConfig, run_grpo
     from raypai.alignment.data import prompt_examples
     from raypai.alignment.tasks import arithmetic as ar
 
     train, held = workload(args.prompts, args.seed)
     log = Steps()
-    name = f"raypai_grpo_{'async' if async_rollout else 'sync'}_{prompts}x{group}"
+    name = f"raypai_grpo_{'async' if async_rollout else f'sync{replicas}r'}_{prompts}x{group}"
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=prompts, group_size=group, lr=1e-6, beta=0.0,
                      aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed,
                      async_rollout=async_rollout, train_threads=args.train_threads, rollout_threads=args.rollout_threads,
                      rollout_engine=args.rollout_engine,
-                     rollout_replicas=1 if async_rollout else args.sync_rollout_replicas)
+                     rollout_replicas=replicas)
     t0 = time.perf_counter()
     summary = run_grpo(model_dir, str(out / name), prompt_examples(ar.prompt_rows(train)),
                        prompt_examples(ar.prompt_rows(held)), cfg, run_name=name.replace("_", "-"),
@@ -210,8 +212,9 @@ def main() -> None:
     ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
     ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
     ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf"), help="raypai GRPOConfig.rollout_engine")
-    ap.add_argument("--sync-rollout-replicas", type=int, default=2,
-                    help="rollout replicas of the synchronous runs (colocated: they split the batch and the cores)")
+    ap.add_argument("--sync-rollout-replicas", default="1,2",
+                    help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
+                         "replicas split the batch and the cores)")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
     args = ap.parse_args()
 
@@ -231,8 +234,9 @@ def main() -> None:
         if args.only in (None, "grpo"):
             for batch in args.batches.split(","):
                 prompts, group = map(int, batch.split("x"))
-                runs = [lambda: run_raypai(model, out, args, prompts, group, False),
-                        lambda: run_raypai(model, out, args, prompts, group, True)]
+                runs = [lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
+                        for r in args.sync_rollout_replicas.split(",")]
+                runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
                 if not args.no_trl:
                     runs.append(lambda: run_trl_grpo(model, out, args, prompts, group))
                 for fn in runs:
