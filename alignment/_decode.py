@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from raypai.alignment._lean import lean_decoder
 from raypai.errors import ConfigError
 
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
@@ -58,40 +59,53 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def _cache_argument(model) -> str:
-    """The forward argument that takes the KV cache: `cache` in newer transformers (which warn on the
-    old name), `past_key_values` before."""
-    import inspect
+class _ModelDecoder:
+    """The model's own forward over a `DynamicCache`: for every architecture the lean forward does not cover."""
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    def __init__(self, model):
+        import inspect
 
+        self.model = model
+        # the KV cache argument: `cache` in newer transformers (which warn on the old name), `past_key_values` before
+        self.kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-def _keep_rows(cache, keep: torch.Tensor) -> None:
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+    def prefill(self, ids, mask, pos, max_new: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        self.cache, self.mask = DynamicCache(), mask
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.kv: self.cache})
+        except TypeError as exc:  # a forward without position_ids or a cache argument
+            raise ConfigError([f"raypai's rollout loop cannot drive {type(self.model).__name__} ({exc}); set "
+                               "rollout_engine='hf' in the algorithm's config to sample with transformers' generate"],
+                              what="rollout engine") from exc
+        return out.logits[:, -1]
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(tok), 1))], dim=1)
+        return self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=pos[:, None], use_cache=True,
+                          **{self.kv: self.cache}).logits[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.mask = self.mask[rows]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           logprobs: bool = False) -> Decoded:
+           logprobs: bool = False, lean: bool = True) -> Decoded:
     """Sample up to `max_new_tokens` after each prompt (token id lists of any lengths); a row ends
     at the first token in `stop_ids`. Random draws come from `generator` (default: torch's global
-    generator, which the rollout checkpoints)."""
-    from transformers import DynamicCache
-
+    generator, which the rollout checkpoints). `lean`: use raypai's lean forward for Llama-family
+    models (`raypai.alignment._lean`); other models, or lean=False, run the model's own forward."""
     device = next(model.parameters()).device
     B = len(prompts)
     ids, mask = _left_pad(prompts, pad_id, device)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
-    cache = DynamicCache()
-    kv = {_cache_argument(model): cache, "use_cache": True}
-    try:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
-    except TypeError as exc:  # a forward without position_ids or a cache argument
-        raise ConfigError([f"raypai's rollout loop cannot drive {type(model).__name__} ({exc}); set "
-                           "rollout_engine='hf' in the algorithm's config to sample with transformers' generate"],
-                          what="rollout engine") from exc
+    dec = (lean_decoder(model) if lean else None) or _ModelDecoder(model)
+    logits = dec.prefill(ids, mask, pos, max_new_tokens)
     nxt_pos = pos[:, -1] + 1  # (b,) each live row's next position
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     live = torch.arange(B, device=device)  # original row of each row still in the batch
@@ -107,14 +121,13 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
         stopped += int(done.sum())
         if t == max_new_tokens - 1:
             break
-        if done.any():  # finished rows leave the batch, with their cache rows and mask
+        if done.any():  # finished rows leave the batch, with their cache rows
             keep = (~done).nonzero().squeeze(-1)
             if keep.numel() == 0:
                 break
-            live, tok, mask, nxt_pos = live[keep], tok[keep], mask[keep], nxt_pos[keep]
-            _keep_rows(cache, keep)
-        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], **kv).logits[:, -1]
+            live, tok, nxt_pos = live[keep], tok[keep], nxt_pos[keep]
+            dec.keep(keep)
+        logits = dec.step(tok, nxt_pos)
         nxt_pos = nxt_pos + 1
     tokens, lps = [], [] if logprobs else None
     for row in out_tokens.cpu():
