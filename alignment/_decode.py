@@ -49,7 +49,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, genera
     return order.gather(-1, choice).squeeze(-1)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -102,7 +102,7 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     models (`raypai.alignment._lean`); other models, or lean=False, run the model's own forward."""
     device = next(model.parameters()).device
     B = len(prompts)
-    ids, mask = _left_pad(prompts, pad_id, device)
+    ids, mask = left_pad(prompts, pad_id, device)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
     dec = (lean_decoder(model) if lean else None) or _ModelDecoder(model)
     logits = dec.prefill(ids, mask, pos, max_new_tokens)

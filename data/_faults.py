@@ -14,10 +14,11 @@ committed, so Ray workers need not see the variable.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from raypai.errors import DataError
+
+from raypai._faults import from_env
 
 ENV = "RAYPAI_DATA_FAULTS"
 
@@ -28,11 +29,7 @@ class Faults:
 
     @classmethod
     def from_env(cls) -> "Faults":
-        raw = json.loads(os.environ.get(ENV) or "{}")
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"{ENV}: unknown keys {sorted(unknown)}; valid: {[f.name for f in fields(cls)]}")
-        return cls(**raw)
+        return from_env(cls, ENV)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

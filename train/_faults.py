@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from raypai._faults import from_env
 
 ENV = "RAYPAI_TRAIN_FAULTS"
 
@@ -32,11 +34,7 @@ class Faults:
 
     @classmethod
     def from_env(cls) -> "Faults":
-        raw = json.loads(os.environ.get(ENV) or "{}")
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"{ENV}: unknown keys {sorted(unknown)}; valid: {[f.name for f in fields(cls)]}")
-        faults = cls(**raw)
+        faults = from_env(cls, ENV)
         if faults.kill_worker_at_step >= 0 and not faults.trace_dir:
             raise ValueError(f"{ENV}: kill_worker_at_step needs trace_dir (where the once-only marker goes)")
         return faults

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from raypai.alignment._decode import decode
+from raypai.alignment._decode import decode, left_pad
 from raypai.alignment._tensors import pad, token_logprobs
 from raypai.alignment.config import ROLLOUT_ENGINES
 from raypai.chat import ChatFormat
@@ -56,15 +56,6 @@ class Rollout:
 
         return ray.get_runtime_context().get_node_id()
 
-    def _left_padded(self, prompt_ids: list[list[int]]) -> dict:
-        P = max(map(len, prompt_ids))
-        ids = torch.full((len(prompt_ids), P), self.tok.pad_token_id, dtype=torch.long)
-        att = torch.zeros((len(prompt_ids), P), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
-            ids[i, P - len(p):] = torch.tensor(p)
-            att[i, P - len(p):] = 1
-        return {"input_ids": ids, "attention_mask": att}
-
     @torch.no_grad()
     def generate(self, prompts: list, *, n: int = 1, max_new_tokens: int = 8, temperature: float = 1.0,
                  top_p: float = 1.0, stop: tuple[str, ...] = (), logprobs: bool = False) -> dict:
@@ -75,7 +66,7 @@ class Rollout:
         also the per-token log-probs of that batch under the weights that sampled it (B, T−1),
         which an off-policy update needs as its behaviour log-probs."""
         stops = list(dict.fromkeys([*self.fmt.stop_ids, *self._stop_ids(stop)]))
-        prompt_ids = [self.fmt.prompt_ids(p) for p in prompts for _ in range(n)]
+        prompt_ids = [ids for p in prompts for ids in [self.fmt.prompt_ids(p)] * n]  # the template once per prompt
         if self.engine == "raypai":
             d = decode(self.model, prompt_ids, pad_id=self.tok.pad_token_id, stop_ids=stops,
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs)
@@ -101,7 +92,8 @@ class Rollout:
     def _hf_generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p) -> tuple[list[list[int]], int]:
         """transformers' `generate` over left-padded prompts; top-k off so the samples come from the
         model's distribution (temperature and top-p only)."""
-        enc = self._left_padded(prompt_ids)
+        ids, att = left_pad(prompt_ids, self.tok.pad_token_id, self.model.device)
+        enc = {"input_ids": ids, "attention_mask": att}
         greedy = temperature == 0
         out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
                                   temperature=None if greedy else temperature, top_p=None if greedy else top_p,

@@ -80,3 +80,21 @@ def test_sampling_follows_temperature_and_top_p():
     freq = torch.bincount(sample_tokens(logits, 0.5, 1.0, g), minlength=4) / 20000
     assert abs(freq[0] - 0.25 / 0.365) < 0.015
     assert sample_tokens(logits[:3], 0.0, 1.0).tolist() == [0, 0, 0]
+
+
+def test_both_rollout_engines_give_the_same_greedy_completions_and_log_probs(tmp_path):
+    """The Rollout role (in-process here) with raypai's loop and with transformers' generate, on a
+    Qwen2 model with a ChatML template and chat prompts: same greedy completions, same behaviour
+    log-probs (the loop's from its sampling pass, generate's from a second forward)."""
+    from raypai.alignment.roles.rollout import Rollout
+    from raypai.errors import ConfigError
+
+    path = build_tiny_model(tmp_path / "m", family="qwen2")
+    prompts = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "a longer one: 13+27="}]]
+    outs = [Rollout(str(path), engine=e).generate(prompts, n=2, max_new_tokens=6, temperature=0, logprobs=True)
+            for e in ("raypai", "hf")]
+    assert outs[0]["completions"] == outs[1]["completions"] and outs[0]["seqs"] == outs[1]["seqs"]
+    mask = outs[0]["batch"]["response_mask"]
+    torch.testing.assert_close(outs[0]["logprobs"] * mask, outs[1]["logprobs"] * mask, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="rollout engine 'vllm' is not one of raypai, hf"):
+        Rollout(str(path), engine="vllm")
