@@ -57,18 +57,23 @@ def clean(ctx: StepContext, raw: Artifact, recipe: str = "default") -> Artifact:
 
 
 @step(cpus=1)
-def train_tokenizer(ctx: StepContext, dataset: Artifact, vocab_size: int = 2048) -> Artifact:
+def train_tokenizer(ctx: StepContext, dataset: Artifact, vocab_size: int = 2048,
+                    sample_bytes: int | None = None) -> Artifact:
+    """BPE on the dataset's text streamed row group by row group; `sample_bytes` caps the sample
+    (whole row groups in a seeded order), None trains on all of it."""
     out = ctx.output_dir("tokenizer")
-    info = train_bpe(dataset.local_path(), out, vocab_size=vocab_size)
-    ctx.log_metrics({"vocab_size": info["vocab_size"]})
+    info = train_bpe(dataset.local_path(), out, vocab_size=vocab_size, sample_bytes=sample_bytes)
+    ctx.log_metrics({"vocab_size": info["vocab_size"], "sample_bytes": info["sample"]["bytes"],
+                     "sample_documents": info["sample"]["documents"]})
     return ctx.save(out, kind="tokenizer", name="tokenizer", metadata=info)
 
 
 @step(cpus=1)
 def tokenize(ctx: StepContext, dataset: Artifact, tokenizer: Artifact, block_size: int = 128) -> Artifact:
+    """Token shards written by Ray tasks (this step's Ray): tokenize per row groups, write per shard."""
     out = ctx.output_dir("shards")
     m = tokenize_dataset(dataset.local_path(), tokenizer.local_path(), out, block_size=block_size)
     ctx.log_metrics({"num_blocks": m["num_blocks"], "num_tokens": m["num_tokens"],
-                     "unigram_entropy_nats": m["unigram_entropy_nats"]})
+                     "unigram_entropy_nats": m["unigram_entropy_nats"], **m["work"]})
     return ctx.save(out, kind="token_shards", name="token_shards",
-                    metadata={k: v for k, v in m.items() if k != "files"})
+                    metadata={k: v for k, v in m.items() if k not in ("files", "work")})
