@@ -204,6 +204,11 @@ def exact_jaccard(hashes: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) ->
     return np.where(union > 0, inter / np.maximum(union, 1), 0.0)
 
 
+def needs_exact(est: np.ndarray, threshold: float, margin: float) -> np.ndarray:
+    """(E,) bool: the signature estimates too close to `threshold` to decide on (within `margin`)."""
+    return np.abs(est - threshold) < margin
+
+
 def verify(pairs: np.ndarray, sigs: np.ndarray, threshold: float, margin: float, exact) -> tuple:
     """(accepted (E,) bool, similarity (E,) float, exact (E,) bool) for candidate `pairs`.
 
@@ -211,7 +216,7 @@ def verify(pairs: np.ndarray, sigs: np.ndarray, threshold: float, margin: float,
     `exact(pairs_subset) -> (k,) Jaccard` (their shingle sets' exact Jaccard). With 128 hashes the
     estimate's standard deviation at s = 0.8 is 0.035, so the default margin of 0.15 is > 4 σ."""
     est = estimate_jaccard(sigs, pairs)
-    near = np.abs(est - threshold) < margin
+    near = needs_exact(est, threshold, margin)
     sim = est.copy()
     if near.any():
         sim[near] = exact(pairs[near])

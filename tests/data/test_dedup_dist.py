@@ -1,0 +1,200 @@
+"""Distributed, resumable dedup (raypai.data._dedup) on real Ray: the same drops and keepers as
+clean's driver-side dedup, and byte-identical outputs after a SIGKILL of the driver."""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from raypai.data import clean, ingest, synth
+from raypai.data._dedup import FAULTS_ENV, DedupFaults, run_dedup
+from raypai.data.clean import DROP_SCHEMA, _dedup
+from raypai.data.ops.dedup import ExactDedup, MinHashDedup
+from raypai.data.recipe import is_dedup, load_recipe
+from raypai.data.synth import jaccard, prose
+from raypai.errors import DataError
+
+FILES = 4
+BUCKETS = 3
+CHAINS, LINKS = 3, 6
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _chain(rng: random.Random, c: int) -> list[str]:
+    """LINKS texts, each the previous with 4 more words replaced (fresh positions, 6 words apart):
+    neighbours share ≥ 0.82 of their word 5-grams, texts two links apart ≤ 0.75 (not duplicates)."""
+    words = prose(rng, 12).replace("\n\n", " ").split(" ")
+    out = [" ".join(words)]
+    for k in range(1, LINKS):
+        for m in range(4):
+            words[5 + 6 * (4 * (k - 1) + m)] = f"chainword{c}x{k}x{m}"
+        out.append(" ".join(words))
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, ray_local):
+    """The synthetic corpus (exact and near duplicates, near misses) in 4 parts, plus chains of near
+    duplicates A~B~C... whose links lie in different parts; filtered by clean (its work folder's
+    kept/<part> is the dedup input)."""
+    root = tmp_path_factory.mktemp("dedup")
+    synth(root / "raw", docs=1200, files=FILES, seed=11)
+    rng = random.Random(5)
+    chains = [_chain(rng, c) for c in range(CHAINS)]
+    for c, chain in enumerate(chains):
+        for k, text in enumerate(chain):
+            with open(root / "raw" / f"raw-{(c + k) % FILES:03d}.jsonl", "a") as f:
+                f.write(json.dumps({"text": text, "chain": f"{c}.{k}"}) + "\n")
+    ingest(root / "raw", root / "ingested")
+    clean(root / "ingested", root / "clean", work_dir=root / "work", progress=lambda m: None)
+    parts = [p["file"] for p in json.loads((root / "ingested" / "manifest.json").read_text())["parts"]]
+    ops = [op for op in load_recipe("default") if is_dedup(op)]
+    stats = run_dedup(root / "work", parts, ops, buckets=BUCKETS, progress=lambda m: None)
+    return root, parts, ops, stats, chains
+
+
+def _reference(work: Path, parts: list[str], ops: list) -> tuple[pa.Table, pa.Table]:
+    """clean's driver-side dedup over the same filtered rows: (kept rows, drop records)."""
+    kept = pa.concat_tables([pq.read_table(work / "kept" / p) for p in parts]).sort_by("doc_id")
+    dropped = []
+    for op in ops:
+        kept, gone = _dedup(kept, op)
+        dropped.append(gone)
+    return kept, pa.concat_tables(dropped)
+
+
+def _outputs(work: Path, parts: list[str], kind: str) -> pa.Table:
+    return pa.concat_tables([pq.read_table(work / "dedup" / kind / p) for p in parts])
+
+
+def _digests(work: Path) -> dict[str, str]:
+    return {f"{kind}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
+            for kind in ("kept", "dropped") for p in sorted((work / "dedup" / kind).iterdir())}
+
+
+def test_same_drops_and_keepers_as_the_driver_side_dedup(corpus):
+    root, parts, ops, stats, chains = corpus
+    work = root / "work"
+    ref_kept, ref_dropped = _reference(work, parts, ops)
+    dropped = _outputs(work, parts, "dropped")
+    assert dropped.schema == DROP_SCHEMA
+    # every drop record (op, keeper, best pair, similarity, reason, text) equal to the reference's
+    assert dropped.sort_by("doc_id").to_pylist() == ref_dropped.sort_by("doc_id").to_pylist()
+    kept = _outputs(work, parts, "kept")
+    assert kept.sort_by("doc_id").to_pylist() == ref_kept.drop_columns(
+        [c for c in ref_kept.column_names if c.startswith("key.")]).to_pylist()
+    by_op = {op.name: sum(r["op"] == op.name for r in dropped.to_pylist()) for op in ops}
+    assert stats["dropped"] == by_op and by_op["exact_dedup"] >= 50 and by_op["minhash_dedup"] >= 50, by_op
+    assert stats["kept"] == kept.num_rows and stats["candidates"]["minhash_dedup"] > stats["verified"]["minhash_dedup"]
+
+    # each part's outputs hold that part's rows only
+    for p in parts:
+        own = set(pq.read_table(work / "kept" / p).column("doc_id").to_pylist())
+        out = pq.read_table(work / "dedup" / "kept" / p).column("doc_id").to_pylist()
+        gone = pq.read_table(work / "dedup" / "dropped" / p).column("doc_id").to_pylist()
+        assert set(out) | set(gone) == own and not set(out) & set(gone)
+
+    # the chains: links are verified pairs, texts two links apart are not (J < 0.8), yet the whole
+    # chain is one cluster kept by its lowest doc id, across parts
+    rows = {r["text"]: r for r in dropped.to_pylist()} | {r["text"]: r for r in kept.to_pylist()}
+    for chain in chains:
+        assert min(jaccard(a, b) for a, b in zip(chain, chain[1:])) >= 0.82
+        assert max(jaccard(a, b) for a, b in zip(chain, chain[2:])) < 0.8
+        ids = sorted(rows[t]["doc_id"] for t in chain)
+        assert len({rows[t]["source"].split(":")[0] for t in chain}) == FILES
+        survivors = [t for t in chain if "op" not in rows[t]]
+        assert [rows[t]["doc_id"] for t in survivors] == [ids[0]]
+        assert all(rows[t]["cluster_id"] == ids[0] for t in chain if t not in survivors)
+        # some member's best pair is not the keeper: it joined the cluster through the chain
+        assert any(f"near-duplicate of {ids[0]} " not in rows[t]["reason"] for t in chain if t not in survivors)
+    assert stats["cc_rounds"]["minhash_dedup"] >= 4
+
+
+_DRIVER = """
+import json, sys
+import ray
+from raypai.data._dedup import run_dedup
+from raypai.data.recipe import is_dedup, load_recipe
+ray.init(address=sys.argv[1], log_to_driver=False)
+run_dedup(sys.argv[2], json.loads(sys.argv[3]), [op for op in load_recipe("default") if is_dedup(op)],
+          buckets=int(sys.argv[4]), progress=lambda m: None)
+"""
+
+
+@pytest.mark.parametrize("kill_after", [2, 17, 31, 44])  # exact map; verification; components; final write
+def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, kill_after):
+    """The dedup driver runs in its own process joined to this Ray and SIGKILLs itself once
+    `kill_after` units are committed (RAYPAI_DEDUP_FAULTS); a resumed run in this process skips the
+    committed rounds and units and writes byte-identical outputs to the uninterrupted run's."""
+    root, parts, ops, stats, _ = corpus
+    work = tmp_path / "work"
+    shutil.copytree(root / "work" / "kept", work / "kept")
+    env = os.environ | {FAULTS_ENV: json.dumps({"kill_after_units": kill_after})}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, ray.get_runtime_context().gcs_address, str(work),
+                           json.dumps(parts), str(BUCKETS)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not (work / "dedup" / "_DONE.json").exists()
+    units = sorted(p for p in (work / "dedup").glob("**/meta.json"))
+    assert len(units) >= kill_after  # committed before the kill (a straggler task may add one)
+    before = {p: p.stat().st_mtime_ns for p in units}
+
+    resumed = run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)
+    assert {p: p.stat().st_mtime_ns for p in units} == before, "committed units were redone"
+    assert resumed["units_run"] == stats["units_run"] - len(units)
+    assert _digests(work) == _digests(root / "work")
+    assert {k: v for k, v in resumed.items() if k not in ("seconds", "write_seconds", "units_run")} == \
+        {k: v for k, v in stats.items() if k not in ("seconds", "write_seconds", "units_run")}
+    # a finished run is not redone
+    assert run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)["units_run"] == 0
+
+
+def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
+    """A recipe with MinHash dedup only, a part with no rows, and a changed bucket count (the old
+    rounds are discarded, the result is the same)."""
+    root, parts, _, _, _ = corpus
+    work = tmp_path / "work"
+    shutil.copytree(root / "work" / "kept", work / "kept")
+    empty = pq.read_table(work / "kept" / parts[0]).slice(0, 0)
+    pq.write_table(empty, work / "kept" / "empty.parquet")
+    parts = parts + ["empty.parquet"]
+    ops = [MinHashDedup()]
+    ref_kept, ref_dropped = _reference(work, parts, ops)
+    for buckets in (2, 5):
+        stats = run_dedup(work, parts, ops, buckets=buckets, progress=lambda m: None)
+        assert stats["buckets"] == buckets and stats["units_run"] > 0
+        dropped = _outputs(work, parts, "dropped")
+        assert dropped.sort_by("doc_id").to_pylist() == ref_dropped.sort_by("doc_id").to_pylist()
+        assert sorted(_outputs(work, parts, "kept").column("doc_id").to_pylist()) == \
+            ref_kept.column("doc_id").to_pylist()
+    assert pq.read_table(work / "dedup" / "kept" / "empty.parquet").num_rows == 0
+    assert pq.read_table(work / "dedup" / "dropped" / "empty.parquet").schema == DROP_SCHEMA
+
+
+def test_bad_inputs_are_refused_with_the_fix(tmp_path, ray_local, corpus):
+    root, parts, _, _, _ = corpus
+    with pytest.raises(DataError, match=r"dedup input missing: .*nowhere.*run clean's filter pass"):
+        run_dedup(tmp_path, ["nowhere.parquet"], [ExactDedup()])
+    with pytest.raises(DataError, match="exact_dedup/minhash_dedup ops only"):
+        run_dedup(tmp_path, [], [load_recipe(["word_count"])[0]])
+    t = pq.read_table(root / "work" / "kept" / parts[0]).slice(0, 5)
+    (tmp_path / "kept").mkdir()
+    pq.write_table(t.set_column(0, "doc_id", pa.array(["doc-1"] * 5)), tmp_path / "kept" / "x.parquet")
+    with pytest.raises(DataError, match=r"ingest's doc ids .*re-ingest.*'doc-1'"):
+        run_dedup(tmp_path, ["x.parquet"], [ExactDedup()], progress=lambda m: None)
+    assert DedupFaults.from_env() == DedupFaults()
