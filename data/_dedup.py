@@ -90,10 +90,15 @@ DROPS = pa.schema([("id", _U64), ("cluster", _U64), ("partner", _U64), ("sim", p
 
 @dataclass(frozen=True)
 class DedupFaults:
-    """Private fault injection for raypai's own tests (RAYPAI_DEDUP_FAULTS='{"kill_after_units": 5}'):
-    the driver SIGKILLs itself once this many units were committed in this call."""
+    """Private fault injection for raypai's own tests, read by the driver from RAYPAI_DEDUP_FAULTS
+    (a JSON object of these fields) and shipped to the unit tasks; not a user interface.
+    - `kill_after_units`: the driver SIGKILLs itself once this many units were committed in this call.
+    - `kill_worker_in`: a unit, as "<round>/<unit>" under <work>/dedup (e.g. "1-minhash_dedup/est/p00002"):
+      its worker SIGKILLs itself once, after writing the unit's temporary folder and before the
+      rename (Ray then retries the task)."""
 
     kill_after_units: int = -1  # -1: never
+    kill_worker_in: str = ""
 
     @classmethod
     def from_env(cls) -> "DedupFaults":
@@ -101,6 +106,12 @@ class DedupFaults:
 
     def after_unit(self, committed: int) -> None:
         if 0 <= self.kill_after_units <= committed:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_rename(self, stage: Path, unit: str, label: str) -> None:
+        once = stage / f".killed-{unit}"  # the retry must get through
+        if self.kill_worker_in == f"{label}/{unit}" and not once.exists():
+            once.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -162,6 +173,8 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
         progress(f"dedup: {op.name} removed {result['dropped'][op.name]} duplicates")
     out = runner.run(Path(work) / "dedup" / "write", _parts_units(plan), _write, plan=plan)
     result |= {"kept": out.get("kept", 0), "write_seconds": round(out.get("seconds", 0.0), 4)}
+    for sub in ("kept", "dropped"):  # temporaries of write attempts that were killed
+        sh.clear_temporaries(work / "dedup" / sub)
     sh.write_atomic(done, json.dumps(result))
     return result | {"units_run": runner.committed}
 
@@ -191,24 +204,27 @@ class _Runner:
             stage.mkdir(parents=True, exist_ok=True)
             sh.clear_temporaries(stage)
             todo = [u for u in units if not (stage / u).is_dir()]
-            pending = [_unit_task.remote(fn, str(stage), u, kwargs) for u in todo]
+            label = str(stage.relative_to(self.root))
+            pending = [_unit_task.remote(fn, str(stage), u, kwargs, self.faults, label) for u in todo]
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
                 ray.get(ready[0])
                 self.committed += 1
                 self.faults.after_unit(self.committed)
+            sh.clear_temporaries(stage)  # those of killed attempts
             sh.write_atomic(done, json.dumps(sh.counters(stage)))
-            self.progress(f"dedup: {stage.relative_to(self.root)}: {len(todo)} units run, "
+            self.progress(f"dedup: {label}: {len(todo)} units run, "
                           f"{len(units) - len(todo)} already committed")
         self.counters[stage] = json.loads(done.read_text())
         return self.counters[stage]
 
 
 @ray.remote(num_cpus=1)
-def _unit_task(fn, stage: str, unit: str, kwargs: dict) -> None:
+def _unit_task(fn, stage: str, unit: str, kwargs: dict, faults: DedupFaults, label: str) -> None:
     t0 = time.perf_counter()
     out, counters = fn(unit=unit, **kwargs)
-    sh.commit(Path(stage), unit, out, counters | {"seconds": time.perf_counter() - t0})
+    sh.commit(Path(stage), unit, out, counters | {"seconds": time.perf_counter() - t0},
+              before_rename=lambda: faults.before_rename(Path(stage), unit, label))
 
 
 # ---- reading parts --------------------------------------------------------------------------

@@ -41,8 +41,10 @@ def split(table: pa.Table, dest: np.ndarray, prefix: str) -> dict[str, pa.Table]
     return {f"{prefix}{int(d[s])}": table.slice(s, e - s) for s, e in zip(starts, ends)}
 
 
-def commit(stage: Path, unit: str, out: dict[str, dict[str, pa.Table]], counters: dict) -> None:
-    """Write one unit's output (`out[kind][dest]`) and counters, then commit it by renaming."""
+def commit(stage: Path, unit: str, out: dict[str, dict[str, pa.Table]], counters: dict,
+           before_rename=lambda: None) -> None:
+    """Write one unit's output (`out[kind][dest]`) and counters, then commit it by renaming
+    (`before_rename`: a test's fault hook)."""
     tmp = stage / f".tmp-{unit}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
     index: dict[str, dict[str, list[int]]] = {}
@@ -60,6 +62,7 @@ def commit(stage: Path, unit: str, out: dict[str, dict[str, pa.Table]], counters
                     index[kind][d].append(group)
                     group += 1
     (tmp / "meta.json").write_text(json.dumps({"counters": counters, "index": index}))
+    before_rename()
     try:
         os.rename(tmp, stage / unit)
     except OSError:
@@ -100,6 +103,6 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def clear_temporaries(stage: Path) -> None:
-    """Remove the half-written unit folders a killed run left behind."""
+    """Remove the half-written unit folders and files a killed run left behind."""
     for tmp in stage.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -137,12 +138,31 @@ run_dedup(sys.argv[2], json.loads(sys.argv[3]), [op for op in load_recipe("defau
 """
 
 
-@pytest.mark.parametrize("kill_after", [2, 17, 31, 44])  # exact map; verification; components; final write
-def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, kill_after):
-    """The dedup driver runs in its own process joined to this Ray and SIGKILLs itself once
-    `kill_after` units are committed (RAYPAI_DEDUP_FAULTS); a resumed run in this process skips the
+def _settled(work: Path) -> list[Path]:
+    """The committed units, once no task of the killed driver is still committing (unchanged for 2 s)."""
+    seen, since = None, time.monotonic()
+    while time.monotonic() - since < 2:
+        now = sorted((work / "dedup").glob("**/meta.json"))
+        if now != seen:
+            seen, since = now, time.monotonic()
+        time.sleep(0.2)
+    return seen
+
+
+# units before the components (4 parts, 3 buckets): exact map 4, reduce 3; bands 4, cand 3, siga 4, est 4, exact 4
+BEFORE_CC = 26
+
+
+@pytest.mark.parametrize("where", ["exact map", "signature join", "components", "final write"])
+def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, where):
+    """The dedup driver runs in its own process joined to this Ray and SIGKILLs itself once a given
+    number of units are committed (RAYPAI_DEDUP_FAULTS); a resumed run in this process skips the
     committed rounds and units and writes byte-identical outputs to the uninterrupted run's."""
     root, parts, ops, stats, _ = corpus
+    rounds = stats["cc_rounds"]["minhash_dedup"]
+    kill_after = {"exact map": 2, "signature join": 17, "components": BEFORE_CC + 3 * 2 + 1,
+                  "final write": BEFORE_CC + 3 * rounds + 4 + 2}[where]
+    assert stats["units_run"] == BEFORE_CC + 3 * rounds + 4 + 4
     work = tmp_path / "work"
     shutil.copytree(root / "work" / "kept", work / "kept")
     env = os.environ | {FAULTS_ENV: json.dumps({"kill_after_units": kill_after})}
@@ -150,8 +170,8 @@ def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, ki
                            json.dumps(parts), str(BUCKETS)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert not (work / "dedup" / "_DONE.json").exists()
-    units = sorted(p for p in (work / "dedup").glob("**/meta.json"))
-    assert len(units) >= kill_after  # committed before the kill (a straggler task may add one)
+    units = _settled(work)
+    assert len(units) >= kill_after  # committed before the kill (a task in flight may add some)
     before = {p: p.stat().st_mtime_ns for p in units}
 
     resumed = run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)
@@ -162,6 +182,22 @@ def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, ki
         {k: v for k, v in stats.items() if k not in ("seconds", "write_seconds", "units_run")}
     # a finished run is not redone
     assert run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)["units_run"] == 0
+
+
+@pytest.mark.parametrize("unit", ["1-minhash_dedup/est/p00001", "1-minhash_dedup/cc/r001/b00002", "write/p00003"])
+def test_sigkill_of_a_worker_is_retried_to_identical_outputs(corpus, tmp_path, monkeypatch, unit):
+    """A worker SIGKILLed after writing its unit's temporary folder, before the rename: Ray retries
+    the task, the half-written folder is discarded, the outputs are byte-identical."""
+    root, parts, ops, stats, _ = corpus
+    work = tmp_path / "work"
+    shutil.copytree(root / "work" / "kept", work / "kept")
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"kill_worker_in": unit}))
+    again = run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)
+    stage, name = unit.rsplit("/", 1)
+    assert (work / "dedup" / stage / f".killed-{name}").exists(), "the fault did not fire"
+    assert again["units_run"] == stats["units_run"]
+    assert _digests(work) == _digests(root / "work")
+    assert not list((work / "dedup").glob("**/.tmp-*"))
 
 
 def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
