@@ -31,14 +31,10 @@ edges and connected-component rounds per MinHash op, rows kept, units run by thi
   components, below), `decide` (per part: drops with keeper and best pair).
 - `write` (per part): streams the part once, writes its kept rows and drop records.
 
-Connected components: the large-star / small-star rounds of Kiveris et al., "Connected Components
-in MapReduce and Beyond" (SoCC 2014, §3), on edges hash-partitioned by node id. Large-star: each
-node u links each neighbour v > u to the smallest of u and its neighbours; small-star: each node u
-links itself and its neighbours below it to the smallest of those. Both keep the components; after
-O(log² n) rounds every component is a star around its lowest id (no node has neighbours on both
-sides, none has two below it), which a unit sees locally and counts. A large-star round and the
-small-star round after it that both count nothing have converged; each leaf's one neighbour is its
-keeper. (data-juicer's Ray MinHash dedup partitions union-find across actors for the same reason.)
+Connected components: large-star / small-star rounds (Kiveris et al., SoCC 2014) on edges
+hash-partitioned by node id, until every component is a star around its lowest id (the keeper);
+see `raypai.data._components`. (data-juicer's Ray MinHash dedup partitions its union-find across
+actors for the same reason: no process holds all edges.)
 
 **Resume**: every unit commits its files by renaming a temporary folder (`raypai.data._shuffle`);
 a stage whose units are all committed gets `_DONE.json`, and the whole run `<work>/dedup/_DONE.json`
@@ -70,6 +66,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypai._faults import from_env
+from raypai.data import _components as cc
 from raypai.data import _shuffle as sh
 from raypai.data.ops import minhash as mh
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
@@ -82,8 +79,10 @@ KEYS = pa.schema([("id", _U64), ("key", pa.string()), ("part", _I32)])
 BANDS = pa.schema([("band", pa.uint32()), ("key", _U64), ("id", _U64), ("part", _I32)])
 PAIRS = pa.schema([("a", _U64), ("b", _U64), ("pa", _I32), ("pb", _I32)])
 EDGES = pa.schema([("a", _U64), ("b", _U64), ("sim", pa.float64()), ("exact", pa.bool_())])
-ARCS = pa.schema([("src", _U64), ("dst", _U64), ("sp", _I32), ("dp", _I32)])  # directed, with both parts
 LABELS = pa.schema([("id", _U64), ("cluster", _U64)])
+NEAR = PAIRS.append(pa.field("est", pa.float64())).append(pa.field("text_b", pa.large_string()))
+ROWS_PER_READ = 16_384  # rows per streamed read of a part
+EXACT_CHUNK = 4096  # near pairs shingled at once
 DROPS = pa.schema([("id", _U64), ("cluster", _U64), ("partner", _U64), ("sim", pa.float64()),
                    ("exact", pa.bool_())])
 
@@ -133,7 +132,7 @@ class _Plan:
 
 
 def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: int | None = None,
-              progress=print, faults: DedupFaults | None = None) -> dict:
+              progress=print) -> dict:
     """Dedup `<work>/kept/<part>` for each of `parts` with `dedup_ops` (in order) into
     `<work>/dedup/{kept,dropped}/<part>`; return the counters (see the module docstring).
     `buckets`: hash buckets per shuffle (default: one per 250k input rows, 4 to 1024)."""
@@ -153,7 +152,7 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
         buckets = max(4, min(1024, math.ceil(rows / 250_000)))
     plan = _Plan(str(work), tuple(parts), tuple(dedup_ops), int(buckets))
     _prepare(plan)
-    runner = _Runner(work / "dedup", progress, faults or DedupFaults.from_env())
+    runner = _Runner(work / "dedup", progress, DedupFaults.from_env())  # raypai's own tests only
     done = work / "dedup" / sh.DONE
     if done.exists():
         return json.loads(done.read_text()) | {"units_run": 0}
@@ -256,8 +255,6 @@ def _scan(plan: _Plan, i: int, columns: list[str]):
     """Part i's `columns`, streamed in batches (a part is never read whole)."""
     yield from pq.ParquetFile(plan.part(i)).iter_batches(batch_size=ROWS_PER_READ, columns=columns)
 
-
-ROWS_PER_READ = 16_384
 
 
 def _alive(plan: _Plan, k: int, i: int, column: str) -> tuple[np.ndarray, pa.Array]:
@@ -453,8 +450,6 @@ def _est(unit: str, plan: _Plan, k: int):
     return out, {"verified": int(ok.sum()), "near": int(near.sum())}
 
 
-NEAR = PAIRS.append(pa.field("est", pa.float64())).append(pa.field("text_b", pa.large_string()))
-EXACT_CHUNK = 4096  # pairs shingled at once
 
 
 def _exact_jaccard(unit: str, plan: _Plan, k: int):
@@ -482,8 +477,7 @@ def _edges(pairs: pa.Table, sim: np.ndarray, *, exact: bool, plan: _Plan) -> dic
     e = pa.table({"a": a, "b": b, "sim": sim, "exact": np.full(len(a), exact)}, schema=EDGES)
     other = pb != pa_
     to_parts = pa.concat_tables([e, e.filter(pa.array(other))])
-    arcs = pa.table({"src": np.concatenate([a, b]), "dst": np.concatenate([b, a]),
-                     "sp": np.concatenate([pa_, pb]), "dp": np.concatenate([pb, pa_])}, schema=ARCS)
+    arcs = cc.both_ways(a, b, pa_, pb)
     return {"edges": _dests(to_parts, np.concatenate([pa_, pb[other]]), "p"),
             "cc": _dests(arcs, _bucket(arcs.column("src").to_numpy(), plan.buckets), "b")}
 
@@ -492,42 +486,17 @@ def _edges(pairs: pa.Table, sim: np.ndarray, *, exact: bool, plan: _Plan) -> dic
 
 
 def _cc_round(unit: str, plan: _Plan, k: int, r: int):
-    """One large-star (even r) or small-star (odd r) round over the arcs whose source hashes to
-    this bucket (Kiveris et al. 2014, §3). Large-star input: arcs both ways; small-star input: arcs
-    from the higher end to the lower. `changes`: nodes where the round is not the identity."""
+    """One large-star (even r) or small-star (odd r) round (`raypai.data._components`) over the
+    arcs whose source hashes to this bucket; the small-star rounds also send their leaves' labels
+    to the parts holding them (final once a round pair has converged)."""
     src_stages = [plan.stage(k, "est"), plan.stage(k, "exact")] if r == 0 else [plan.stage(k, "cc") / f"r{r - 1:03d}"]
-    t = sh.gather(src_stages, "cc", unit, ARCS)
-    src, dst, sp, dp = (t.column(c).to_numpy() for c in ("src", "dst", "sp", "dp"))
-    order = np.lexsort((dst, src))
-    src, dst, sp, dp = src[order], dst[order], sp[order], dp[order]
-    keep = np.ones(len(src), dtype=bool)  # arcs arrive once per producer that emitted them
-    keep[1:] = (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])
-    src, dst, sp, dp = src[keep], dst[keep], sp[keep], dp[keep]
-    first = np.ones(len(src), dtype=bool)
-    first[1:] = src[1:] != src[:-1]
-    group = np.cumsum(first) - 1                                  # (E,) node index of each arc
-    heads = np.flatnonzero(first)
-    low, low_part = dst[heads][group], dp[heads][group]           # each node's lowest neighbour
-    ends = np.concatenate([heads[1:], [len(src)]]) - 1
+    arcs = sh.gather(src_stages, "cc", unit, cc.ARCS)
     out: dict = {}
-    if r % 2 == 0:  # large-star: v > u gets the lowest of u and its neighbours
-        m = np.where(low < src, low, src)
-        pm = np.where(low < src, low_part, sp)
-        up = dst > src
-        new = pa.table({"src": dst[up], "dst": m[up], "sp": dp[up], "dp": pm[up]}, schema=ARCS)
-        changes = int(((dst[heads] < src[heads]) & (dst[ends] > src[heads])).sum())
-    else:  # small-star: the node and its lower neighbours get the lowest of them
-        other = dst != low
-        lo_ids, lo_parts = np.concatenate([low[other], low[heads]]), np.concatenate([low_part[other], low_part[heads]])
-        hi_ids, hi_parts = np.concatenate([dst[other], src[heads]]), np.concatenate([dp[other], sp[heads]])
-        new = pa.table({"src": np.concatenate([lo_ids, hi_ids]), "dst": np.concatenate([hi_ids, lo_ids]),
-                        "sp": np.concatenate([lo_parts, hi_parts]), "dp": np.concatenate([hi_parts, lo_parts])},
-                       schema=ARCS)
-        degree = np.diff(np.concatenate([heads, [len(src)]]))
-        changes = int((degree > 1).sum())
-        leaf = heads[degree == 1]                                 # at convergence: every node but the centres
-        labels = pa.table({"id": src[leaf], "cluster": dst[leaf]}, schema=LABELS)
-        out["labels"] = _dests(labels, sp[leaf], "p")
+    if r % 2 == 0:
+        new, changes = cc.large_star(arcs)
+    else:
+        new, changes, leaves = cc.small_star(arcs)
+        out["labels"] = _dests(leaves.select(LABELS.names), leaves.column("part").to_numpy(), "p")
     out["cc"] = _dests(new, _bucket(new.column("src").to_numpy(), plan.buckets), "b")
     return out, {"changes": changes}
 

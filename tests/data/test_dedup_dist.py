@@ -3,6 +3,7 @@ clean's driver-side dedup, and byte-identical outputs after a SIGKILL of the dri
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -200,6 +202,47 @@ def test_sigkill_of_a_worker_is_retried_to_identical_outputs(corpus, tmp_path, m
     assert not list((work / "dedup").glob("**/.tmp-*"))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_star_rounds_find_the_components_with_their_lowest_ids(seed):
+    """Large-star / small-star rounds (in one process: each round is local to a node's arcs) on a
+    random graph with long chains, trees and random edges over random uint64 ids: at convergence
+    every node but its component's lowest id is a leaf labelled with that id (the reference is a
+    union-find); the rounds stay within the O(log² n) the paper proves."""
+    from raypai.data import _components as cc
+    from raypai.data.ops.dedup import UnionFind
+
+    rng = np.random.default_rng(seed)
+    ids = np.unique(rng.integers(0, 2**63, size=700, dtype=np.uint64) * np.uint64(2) + np.uint64(1))[:600]
+    ids = ids[rng.permutation(len(ids))]  # distinct odd ids ≥ 2^32 on average: the full uint64 range
+    perm = rng.permutation(len(ids))
+    edges = [(perm[i], perm[i + 1]) for i in range(199)]                  # a chain of 200 nodes
+    edges += [(perm[200 + i], perm[200 + rng.integers(0, i)]) for i in range(1, 200)]  # a random tree
+    edges += [tuple(rng.integers(400, 600, size=2)) for _ in range(120)]  # random edges, some isolated nodes
+    edges = [(a, b) for a, b in edges if a != b]
+    a, b = ids[[e[0] for e in edges]], ids[[e[1] for e in edges]]
+    uf = UnionFind()
+    for x, y in zip(a.tolist(), b.tolist()):
+        uf.union(x, y)
+    part = (ids % 7).astype(np.int32)  # a node's part travels with it
+    part_of = dict(zip(ids.tolist(), part.tolist()))
+    arcs = cc.both_ways(a, b, np.array([part_of[x] for x in a.tolist()], np.int32),
+                        np.array([part_of[x] for x in b.tolist()], np.int32))
+    changes, leaves = [], None
+    for r in range(200):
+        if r % 2 == 0:
+            arcs, n = cc.large_star(arcs)
+        else:
+            arcs, n, leaves = cc.small_star(arcs)
+        changes.append(n)
+        if r % 2 and changes[-1] == changes[-2] == 0:
+            break
+    got = {x: (c, p) for x, c, p in zip(*(leaves.column(k).to_pylist() for k in ("id", "cluster", "part")))}
+    want = {x: uf.find(x) for x in uf.parent if uf.find(x) != x}
+    assert {x: c for x, (c, _) in got.items()} == want
+    assert all(p == part_of[x] for x, (_, p) in got.items())
+    assert 4 <= len(changes) <= 2 * (math.log2(len(ids)) ** 2), len(changes)
+
+
 def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
     """A recipe with MinHash dedup only, a part with no rows, and a changed bucket count (the old
     rounds are discarded, the result is the same)."""
@@ -234,3 +277,12 @@ def test_bad_inputs_are_refused_with_the_fix(tmp_path, ray_local, corpus):
     with pytest.raises(DataError, match=r"ingest's doc ids .*re-ingest.*'doc-1'"):
         run_dedup(tmp_path, ["x.parquet"], [ExactDedup()], progress=lambda m: None)
     assert DedupFaults.from_env() == DedupFaults()
+
+
+def test_the_kill_drills_are_private_not_run_dedup_arguments(monkeypatch):
+    import inspect
+
+    assert list(inspect.signature(run_dedup).parameters) == ["work", "parts", "dedup_ops", "buckets", "progress"]
+    monkeypatch.setenv(FAULTS_ENV, '{"kill_after": 3}')
+    with pytest.raises(ValueError, match=r"unknown keys \['kill_after'\]"):
+        DedupFaults.from_env()
