@@ -1,35 +1,91 @@
-"""Batch functions that run inside the Ray Data workers of `clean`."""
+"""Batch functions that run inside the Ray Data workers of `clean`: the row ops, and the commit of
+each shard's results to the work folder (from the worker: the rows never travel to the driver)."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import ray
 
+from raypai.data._faults import Faults
 from raypai.data.ops.base import AnnotatingFilter, Filter, Mapper
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 
 # Per-op worker seconds travel with the rows (no counter actor, one process fewer): each row of a
 # batch carries its share, batch seconds / rows, so summing a shard's column gives the shard's time.
 SECONDS_COLUMN = "op_seconds"
+KEEP_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string()),
+                         ("lang", pa.string()), ("lang_score", pa.float64())])
+KEEP_COLUMNS = KEEP_SCHEMA.names
+DROP_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("op", pa.string()),
+                         ("reason", pa.string()), ("stat", pa.float64()), ("cluster_id", pa.string()),
+                         ("text", pa.string())])
+SUMMARY_SCHEMA = pa.schema([("shard", pa.string()), ("rows", pa.int64()), ("kept", pa.int64())])
 
 
-def clean_shards(batch: pa.Table, raw_dir: str, batch_size: int, **row_ops_kwargs):
-    """Read each shard named in `batch["shard"]`, tag its rows with the shard name and run
-    `apply_row_ops` over it `batch_size` rows at a time, yielding each result.
+def clean_shards(batch: pa.Table, raw_dir: str, work: str, batch_size: int, n_ops: int, faults: Faults,
+                 **row_ops_kwargs):
+    """For each shard named in `batch["shard"]`: read it, run `apply_row_ops` over it `batch_size`
+    rows at a time, commit the results to `work` (`commit_shard`), and yield one summary row
+    (shard, rows, kept): counters, not rows, go back to the driver.
 
     One Ray Data task per shard, on purpose: reading in a separate `map_batches` gets fused with
     the row ops, and the fused task then bundles input rows up to the row ops' batch size — all the
     one-row shard names in one task, on one core, with nothing back until every shard is done.
     (Listing shards with `from_items` and reading them here also starts in milliseconds, where
-    `read_parquet` spends seconds on metadata tasks before the first row.)"""
+    `read_parquet` spends seconds on metadata tasks before the first row.) A shard's results are
+    held until its commit: ingest keeps parts near `block_bytes`, so that is bounded."""
     for name in batch.column("shard").to_pylist():
         table = pq.read_table(f"{raw_dir}/{name}")
-        table = table.append_column("shard", pa.array([name] * table.num_rows, pa.string()))
+        out = []
         for start in range(0, table.num_rows, batch_size):
-            yield apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs)
+            out.append(apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs))
+            faults.in_worker(name, Path(work))  # raypai's own kill drill (raypai.data._faults)
+        rows = pa.concat_tables(out)
+        kept = commit_shard(Path(work), name, rows, n_ops)
+        yield pa.table([[name], [rows.num_rows], [kept]], schema=SUMMARY_SCHEMA)
+
+
+def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int) -> int:
+    """Write one shard's kept and dropped rows and its stats columns, then its done marker with the
+    shard's worker seconds per op and the task that did it (last, so a kill in between leaves the
+    shard pending; a retried or resumed task rewrites every file). Returns the rows kept."""
+    seconds = [0.0] * n_ops
+    if rows is None or not rows.num_rows:
+        kept, dropped, stats_cols = KEEP_SCHEMA.empty_table(), DROP_SCHEMA.empty_table(), []
+    else:
+        is_drop = pc.is_valid(rows.column("drop_op"))
+        k, d = rows.filter(pc.invert(is_drop)), rows.filter(is_drop)
+        kept = pa.table({c: (k.column(c) if c in k.column_names else pa.nulls(k.num_rows, pa.string()))
+                         for c in KEEP_COLUMNS}).cast(KEEP_SCHEMA, safe=False)
+        for c in (c for c in rows.column_names if c.startswith("key.")):  # dedup keys, for the dedup pass
+            kept = kept.append_column(c, k.column(c))
+        dropped = pa.table({"doc_id": d.column("doc_id"), "source": d.column("source"), "op": d.column("drop_op"),
+                            "reason": d.column("drop_reason"), "stat": d.column("drop_stat"),
+                            "cluster_id": pa.nulls(d.num_rows, pa.string()), "text": d.column("text")},
+                           schema=DROP_SCHEMA)
+        stats_cols = [c for c in rows.column_names if c.startswith("stats.")]
+        share = pc.list_flatten(rows.column(SECONDS_COLUMN)).to_numpy(zero_copy_only=False)
+        seconds = share.reshape(rows.num_rows, n_ops).sum(axis=0).tolist()  # (n_ops,)
+    pq.write_table(kept, work / "kept" / part)
+    pq.write_table(dropped, work / "dropped" / part)
+    if stats_cols:
+        pq.write_table(rows.select(stats_cols), work / "done" / f"{part}.stats.parquet")
+    ctx = ray.get_runtime_context() if ray.is_initialized() else None
+    marker = {"rows": 0 if rows is None else rows.num_rows, "kept": kept.num_rows, "dropped": dropped.num_rows,
+              "seconds": seconds, "pid": os.getpid(),
+              "task_id": ctx.get_task_id() if ctx else None, "node_id": ctx.get_node_id() if ctx else None}
+    tmp = work / "done" / f".{part}.json.tmp"
+    tmp.write_text(json.dumps(marker))
+    tmp.replace(work / "done" / f"{part}.json")  # atomic: a marker is whole or absent
+    return kept.num_rows
 
 
 def apply_row_ops(batch: pa.Table, ops: list[Mapper | Filter],

@@ -3,20 +3,26 @@
 Nothing here is a parameter of `clean`, the `clean` step or `raypai data clean`. A test sets one
 environment variable in the driver's process before calling `clean`:
 
-    RAYPAI_DATA_FAULTS='{"stop_after_shards": 2}'
+    RAYPAI_DATA_FAULTS='{"sigkill_shard": "part-00003-00000.parquet", "sigkill_times": 1}'
 
-`clean` reads it once per call (`Faults.from_env`); the hook acts in the driver, where shards are
-committed, so Ray workers need not see the variable.
-- `stop_after_shards`: once this many shards are committed to the work folder, `clean` stops with
-  a DataError, as a run killed part-way would (the committed shards stay; the next run resumes).
+`clean` reads it once per call (`Faults.from_env`) and hands the `Faults` to its Ray Data tasks
+(workers do not see the driver's environment).
+- `sigkill_shard`: the Ray worker process filtering this shard SIGKILLs itself after its first
+  batch, before the shard is committed: a real process death, as the OOM killer or a lost node
+  would cause, not an exception.
+- `sigkill_times`: how many attempts die. Ray retries a task whose worker died
+  (`clean`'s `FILTER_RETRIES`): 1 shows the retry finishing the run; more than the retries makes
+  the run fail, and the next run resumes from the shards committed. Each kill leaves a marker
+  `<work_dir>/_faults/sigkill-<shard>-<n>` (the count survives the process).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import asdict, dataclass
-
-from raypai.errors import DataError
+from pathlib import Path
 
 from raypai._faults import from_env
 
@@ -25,7 +31,8 @@ ENV = "RAYPAI_DATA_FAULTS"
 
 @dataclass(frozen=True)
 class Faults:
-    stop_after_shards: int = -1  # -1: never
+    sigkill_shard: str = ""  # "": never
+    sigkill_times: int = 1
 
     @classmethod
     def from_env(cls) -> "Faults":
@@ -34,8 +41,16 @@ class Faults:
     def to_env(self) -> str:
         return json.dumps(asdict(self))
 
-    def after_commit(self, committed: int) -> None:
-        """Called by `clean` after each shard it commits; `committed`: shards committed in this call."""
-        if 0 <= self.stop_after_shards <= committed:
-            raise DataError(f"clean stopped after {committed} shards ({ENV} stop_after_shards, a simulated "
-                            "kill); run again to resume")
+    def kills(self, work: Path) -> int:
+        """Kills done so far for this work folder."""
+        return len(list((work / "_faults").glob(f"sigkill-{self.sigkill_shard}-*"))) if self.sigkill_shard else 0
+
+    def in_worker(self, shard: str, work: Path) -> None:
+        """Called by the filter task after each batch of `shard`; kills its own process when told."""
+        if not self.sigkill_shard or shard != self.sigkill_shard:
+            return
+        n = self.kills(work)
+        if n < self.sigkill_times:
+            (work / "_faults").mkdir(exist_ok=True)
+            (work / "_faults" / f"sigkill-{shard}-{n}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)

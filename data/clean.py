@@ -16,7 +16,6 @@ import hashlib
 import json
 import shutil
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +31,10 @@ from raypai.data.recipe import describe, is_dedup, load_recipe
 from raypai.data.report import write_report
 from raypai.errors import ConfigError, DataError
 
-KEEP_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string()),
-                         ("lang", pa.string()), ("lang_score", pa.float64())])
-KEEP_COLUMNS = KEEP_SCHEMA.names
-DROP_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("op", pa.string()),
-                         ("reason", pa.string()), ("stat", pa.float64()), ("cluster_id", pa.string()),
-                         ("text", pa.string())])
+KEEP_SCHEMA, KEEP_COLUMNS, DROP_SCHEMA = ex.KEEP_SCHEMA, ex.KEEP_COLUMNS, ex.DROP_SCHEMA
+# Ray retries a filter task whose worker process died (OOM kill, lost node) this many times; a
+# shard's files are rewritten whole by the retry and committed by its done marker, so a retry is safe.
+FILTER_RETRIES = 2
 
 
 def _split_recipe(ops: list) -> tuple[list, list]:
@@ -73,20 +70,27 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
     progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
     for p in [p for p in pending if rows_of[p] == 0]:  # an empty shard yields no batch: commit it now
-        _commit_shard(work, p, None, len(ops))
+        ex.commit_shard(work, p, None, len(ops))
     pending = [p for p in pending if rows_of[p] > 0]
     if pending:
         # largest shards first, so the last task to start is a short one
         pending.sort(key=lambda p: -rows_of[p])
         ds = ray.data.from_items([{"shard": p} for p in pending], override_num_blocks=len(pending))
         ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
-                            fn_kwargs={"raw_dir": str(raw_dir), "batch_size": batch_size, "ops": row_ops,
-                                       "dedup_ops": dedup_ops})
-        _stream_and_commit(ds, work, {p: rows_of[p] for p in pending}, progress, faults, len(ops))
+                            fn_kwargs={"raw_dir": str(raw_dir.absolute()), "work": str(work.absolute()),
+                                       "batch_size": batch_size, "n_ops": len(ops), "faults": faults,
+                                       "ops": row_ops, "dedup_ops": dedup_ops},
+                            max_retries=FILTER_RETRIES)
+        _run_filter_pass(ds, {p: rows_of[p] for p in pending}, progress)
     # worker seconds per op of every shard's filtering (resumed shards: from the run that did them)
-    seconds = np.zeros(len(ops))
+    seconds, tasks, per_node = np.zeros(len(ops)), set(), {}
     for p in parts:
-        seconds += json.loads((work / "done" / f"{p}.json").read_text()).get("seconds", 0.0)
+        marker = json.loads((work / "done" / f"{p}.json").read_text())
+        seconds += marker.get("seconds", 0.0)
+        if marker.get("task_id"):  # None: an empty shard, committed by the driver
+            tasks.add(marker["task_id"])
+            per_node[marker["node_id"]] = per_node.get(marker["node_id"], 0) + 1
+    filter_info = {"shards": len(parts), "tasks": len(tasks), "tasks_per_node": per_node}
     kept = _concat([pq.read_table(work / "kept" / f"{p}") for p in parts]).sort_by("doc_id")
     dropped = [pq.read_table(work / "dropped" / f"{p}") for p in parts]
     for op in dedup_ops:
@@ -99,7 +103,7 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     op_stats = _op_stats(ops, raw["rows"], dropped_all, seconds)
     stats_files = [f for p in parts if (f := work / "done" / f"{p}.stats.parquet").exists()]
     return _write_outputs(raw_dir, out_dir, raw, kept.select(KEEP_COLUMNS), dropped_all, op_stats, ops,
-                          time.time() - t0, logger, stats_files)
+                          time.time() - t0, logger, stats_files, filter_info)
 
 
 def _dedup(kept: pa.Table, op) -> tuple[pa.Table, pa.Table]:
@@ -141,27 +145,23 @@ def _prepare_work(work: Path, recipe_desc: list) -> None:
     marker.write_text(text)
 
 
-def _stream_and_commit(ds, work: Path, expected: dict[str, int], progress, faults: Faults, n_ops: int) -> None:
-    """One Ray Data execution over all pending shards; batches arrive in any order and a shard is
-    committed as soon as all its rows are back (so a kill loses at most the shards in flight)."""
-    buffers: dict[str, list[pa.Table]] = defaultdict(list)
-    got: dict[str, int] = defaultdict(int)
+def _run_filter_pass(ds, expected: dict[str, int], progress) -> None:
+    """One Ray Data execution over all pending shards. Each task commits its shard to the work
+    folder itself and sends back one summary row; the driver counts them (one progress call per
+    shard) and checks every row came through."""
     committed = 0
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        names = batch.column("shard")
-        for part in pc.unique(names).to_pylist():
-            rows = batch.filter(pc.equal(names, part))
-            buffers[part].append(rows)
-            got[part] += rows.num_rows
-            if got[part] == expected[part]:
-                _commit_shard(work, part, pa.concat_tables(buffers.pop(part)), n_ops)
+    try:
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for shard, rows in zip(batch.column("shard").to_pylist(), batch.column("rows").to_pylist()):
+                if rows != expected[shard]:
+                    raise DataError(f"shard {shard}: {rows} rows came out of the filter pass, {expected[shard]} "
+                                    "went in; this is a raypai bug, report it")
                 committed += 1
                 progress(f"clean: filtered shards {committed}/{len(expected)}")
-                faults.after_commit(committed)
-    short = {p: f"{got[p]}/{n}" for p, n in expected.items() if got[p] != n}
-    if short:
-        raise DataError(f"rows went missing in the Ray Data pass ({short}); nothing was committed for these "
-                        "shards: run again to retry them")
+    except ray.exceptions.RayError as exc:
+        raise DataError(f"the filter pass failed after {committed}/{len(expected)} shards were committed "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                        "the committed shards stay in work_dir: run the same clean again to resume") from exc
 
 
 def _concat(tables: list[pa.Table], schema: pa.Schema | None = None) -> pa.Table:
@@ -169,34 +169,6 @@ def _concat(tables: list[pa.Table], schema: pa.Schema | None = None) -> pa.Table
     if not tables:
         return schema.empty_table() if schema else pa.table({c: pa.array([], pa.string()) for c in KEEP_COLUMNS})
     return pa.concat_tables(tables, promote_options="permissive")
-
-
-def _commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int) -> None:
-    """Write one shard's kept and dropped rows, then its done marker with the shard's worker
-    seconds per op (last, so a kill in between leaves the shard pending)."""
-    seconds = [0.0] * n_ops
-    if rows is None or not rows.num_rows:
-        kept, dropped, stats_cols = KEEP_SCHEMA.empty_table(), DROP_SCHEMA.empty_table(), []
-    else:
-        is_drop = pc.is_valid(rows.column("drop_op"))
-        k, d = rows.filter(pc.invert(is_drop)), rows.filter(is_drop)
-        kept = pa.table({c: (k.column(c) if c in k.column_names else pa.nulls(k.num_rows, pa.string()))
-                         for c in KEEP_COLUMNS}).cast(KEEP_SCHEMA, safe=False)
-        for c in (c for c in rows.column_names if c.startswith("key.")):  # dedup keys, merged later
-            kept = kept.append_column(c, k.column(c))
-        dropped = pa.table({"doc_id": d.column("doc_id"), "source": d.column("source"), "op": d.column("drop_op"),
-                            "reason": d.column("drop_reason"), "stat": d.column("drop_stat"),
-                            "cluster_id": pa.nulls(d.num_rows, pa.string()), "text": d.column("text")},
-                           schema=DROP_SCHEMA)
-        stats_cols = [c for c in rows.column_names if c.startswith("stats.")]
-        share = pc.list_flatten(rows.column(ex.SECONDS_COLUMN)).to_numpy(zero_copy_only=False)
-        seconds = share.reshape(rows.num_rows, n_ops).sum(axis=0).tolist()  # (n_ops,)
-    pq.write_table(kept, work / "kept" / part)
-    pq.write_table(dropped, work / "dropped" / part)
-    if stats_cols:
-        pq.write_table(rows.select(stats_cols), work / "done" / f"{part}.stats.parquet")
-    (work / "done" / f"{part}.json").write_text(json.dumps({"rows": 0 if rows is None else rows.num_rows,
-                                                             "kept": kept.num_rows, "seconds": seconds}))
 
 
 def _exact_clusters(doc_ids: list[str], keys: list[str]) -> list[int]:
@@ -219,7 +191,8 @@ def _op_stats(ops, input_rows: int, dropped: pa.Table, seconds) -> list[dict]:
     return rows
 
 
-def _write_outputs(raw_dir, out_dir, raw, kept, dropped, op_stats, ops, seconds, logger, stats_files) -> dict:
+def _write_outputs(raw_dir, out_dir, raw, kept, dropped, op_stats, ops, seconds, logger, stats_files,
+                   filter_info) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     shard_rows = 50_000
     shards = []
@@ -239,7 +212,7 @@ def _write_outputs(raw_dir, out_dir, raw, kept, dropped, op_stats, ops, seconds,
                         f"{accounting['dropped_by_op']} + rejected {raw['rejected']}; this is a raypai bug, report it")
     manifest = {"kind": "dataset", "schema": KEEP_COLUMNS, "rows": kept.num_rows, "shards": shards,
                 "sources": raw["files"], "recipe": describe(ops), "op_stats": op_stats, "accounting": accounting,
-                "seconds": round(seconds, 2),
+                "seconds": round(seconds, 2), "filter": filter_info,
                 "text_bytes": int(sum(len(t.encode()) for t in kept.column("text").to_pylist()))}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     write_report(out_dir, manifest, dropped, stats_files)

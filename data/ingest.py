@@ -287,7 +287,7 @@ def _align(fs, ranges: list[_Range], cfg: IngestConfig) -> tuple[list[_Range], l
     (a running sum of newlines); a text file with invalid UTF-8 becomes one rejection, as whole."""
     multi = {r.file for r in ranges if r.k > 0 and r.kind != "parquet"}
     todo = [r for r in ranges if r.file in multi]
-    scans = _map(_scan, [(fs, r, cfg.text_mode == "paragraphs") for r in todo])
+    scans = _map(_scan, [(fs, r, r.kind == "text" and cfg.text_mode == "paragraphs") for r in todo])
     aligned, rejected, line, bad = {}, [], {}, {}
     for r, s in zip(todo, scans):
         first = line.get(r.file, 1)

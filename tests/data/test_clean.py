@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from raypai.artifacts import digest_dir
-from raypai.data import clean, ingest, synth
+from raypai.data import IngestConfig, clean, ingest, synth
 from raypai.data.tokenizer import tokenize, train_tokenizer
 from raypai.errors import ConfigError, DataError
 
@@ -25,7 +25,7 @@ def ray_local():
 def corpus(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("corpus")
     synth(root / "raw", docs=1500, files=4, seed=7)
-    ingest(root / "raw", root / "ingested")
+    ingest(root / "raw", root / "ingested", IngestConfig(block_bytes=64 << 10))  # ~3 ranges per file
     manifest = clean(root / "ingested", root / "clean", work_dir=root / "work")
     truth = [json.loads(line) for line in open(root / "raw" / "_ground_truth.jsonl")]
     return root, manifest, truth
@@ -195,22 +195,65 @@ def test_minhash_recall_precision_and_near_misses_against_exact_jaccard(corpus):
         assert abs(r["stat"] - jac(d, partner[1])) <= tol, (r["reason"], jac(d, partner[1]))
 
 
-def test_killed_run_resumes_per_shard_to_the_same_digest(corpus, tmp_path, monkeypatch):
-    from raypai.data._faults import ENV, Faults
+def _digests(manifest):
+    return [(s["file"], s["rows"], s["sha256"]) for s in manifest["shards"]]
 
-    root, _, _ = corpus
-    work = tmp_path / "work"
-    monkeypatch.setenv(ENV, Faults(stop_after_shards=2).to_env())  # the "kill", after two committed shards
-    with pytest.raises(DataError, match="resume"):
+
+def _pending_order(root):
+    """The shards in the order clean hands them to Ray Data (largest first, then by name)."""
+    parts = json.loads((root / "ingested" / "manifest.json").read_text())["parts"]
+    return [p["file"] for p in sorted((p for p in parts if p["rows"]), key=lambda p: -p["rows"])]
+
+
+def test_worker_sigkilled_mid_shard_fails_the_run_and_the_rerun_resumes_to_the_same_digests(
+        corpus, tmp_path, monkeypatch):
+    """A Ray worker SIGKILLs itself while filtering the last shard handed out, on every attempt:
+    Ray retries the task FILTER_RETRIES times, the run fails naming the resume; the shards committed
+    by then are not redone and the re-run's output shards have the uninterrupted run's digests."""
+    from raypai.data._faults import ENV, Faults
+    from raypai.data.clean import FILTER_RETRIES
+
+    root, manifest, _ = corpus
+    work, target = tmp_path / "work", _pending_order(root)[-1]
+    fault = Faults(sigkill_shard=target, sigkill_times=FILTER_RETRIES + 1)
+    monkeypatch.setenv(ENV, fault.to_env())
+    with pytest.raises(DataError, match="run the same clean again to resume"):
         clean(root / "ingested", tmp_path / "first", work_dir=work)
     monkeypatch.delenv(ENV)
+    assert fault.kills(work) == FILTER_RETRIES + 1  # the first attempt and each retry died
     done = sorted(p.name for p in (work / "done").glob("*.json"))
-    assert len(done) == 2  # two shards committed before the "kill"
-    before = {p: (work / "kept" / p.removesuffix(".json")).stat().st_mtime for p in done}
-    clean(root / "ingested", tmp_path / "resumed", work_dir=work)
-    after = {p: (work / "kept" / p.removesuffix(".json")).stat().st_mtime for p in done}
+    assert done and f"{target}.json" not in done, done  # some shards committed, never the killed one
+    before = {p: (work / "kept" / p.removesuffix(".json")).stat().st_mtime_ns for p in done}
+    resumed = clean(root / "ingested", tmp_path / "resumed", work_dir=work)
+    after = {p: (work / "kept" / p.removesuffix(".json")).stat().st_mtime_ns for p in done}
     assert before == after, "finished shards were redone"
-    assert digest_dir(tmp_path / "resumed" / "part-00000.parquet") == digest_dir(root / "clean" / "part-00000.parquet")
+    assert _digests(resumed) == _digests(manifest)
+
+
+def test_worker_sigkilled_once_is_retried_by_ray_to_the_same_digests(corpus, tmp_path, monkeypatch):
+    from raypai.data._faults import ENV, Faults
+
+    root, manifest, _ = corpus
+    fault = Faults(sigkill_shard=_pending_order(root)[0], sigkill_times=1)
+    monkeypatch.setenv(ENV, fault.to_env())
+    m = clean(root / "ingested", tmp_path / "out", work_dir=tmp_path / "work")
+    assert fault.kills(tmp_path / "work") == 1
+    assert _digests(m) == _digests(manifest)
+
+
+def test_a_single_large_file_is_filtered_by_several_tasks(tmp_path, ray_local):
+    """One input file, cut by ingest into ranges, is filtered by one Ray task per range: the done
+    markers the workers wrote name distinct tasks, and the manifest counts them."""
+    synth(tmp_path / "raw", docs=300, files=1, seed=3)
+    m = ingest(tmp_path / "raw", tmp_path / "ing", IngestConfig(block_bytes=8 << 10))
+    assert m["files"] == ["raw-000.jsonl"] and len(m["parts"]) >= 4, m["parts"]
+    out = clean(tmp_path / "ing", tmp_path / "out", recipe=["whitespace_normalize", "word_count"],
+                work_dir=tmp_path / "w")
+    markers = [json.loads(f.read_text()) for f in (tmp_path / "w" / "done").glob("*.json")]
+    assert len(markers) == len(m["parts"]) and sum(x["rows"] for x in markers) == m["rows"]
+    tasks = {x["task_id"] for x in markers}
+    assert None not in tasks and len(tasks) == len(m["parts"]), tasks
+    assert out["filter"]["tasks"] == len(m["parts"]) and sum(out["filter"]["tasks_per_node"].values()) == len(tasks)
 
 
 def test_cross_shard_duplicates_are_found(tmp_path, ray_local):
@@ -269,9 +312,9 @@ def test_tokenizer_and_token_shards(corpus, tmp_path):
         train_tokenizer(root / "clean", tmp_path / "t2", vocab_size=100)
 
 
-def test_the_resume_drills_kill_is_private_not_a_clean_option(monkeypatch):
-    """The resume test's simulated kill is set through RAYPAI_DATA_FAULTS (raypai.data._faults), never
-    through clean()'s signature, the clean step's or `raypai data clean`'s options."""
+def test_the_resume_drills_kill_is_private_not_a_clean_option(monkeypatch, tmp_path):
+    """The kill drill is set through RAYPAI_DATA_FAULTS (raypai.data._faults), never through
+    clean()'s signature, the clean step's or `raypai data clean`'s options."""
     import inspect
 
     import typer
@@ -281,21 +324,20 @@ def test_the_resume_drills_kill_is_private_not_a_clean_option(monkeypatch):
     from raypai.data import steps
 
     for fn in (clean, steps.clean.fn):
-        assert "stop_after_shards" not in inspect.signature(fn).parameters, fn
+        assert not {p for p in inspect.signature(fn).parameters if "kill" in p or "fault" in p}, fn
     data_cli = typer.main.get_command(app).commands["data"].commands["clean"]
     assert {p.name for p in data_cli.params} == {"input_dir", "output_dir", "recipe", "text_mode"}
     help_text = CliRunner().invoke(app, ["data", "clean", "--help"], env={"COLUMNS": "200"}).output
-    assert "--recipe" in help_text and "stop" not in help_text and "FAULTS" not in help_text, help_text
+    assert "--recipe" in help_text and "kill" not in help_text and "FAULTS" not in help_text, help_text
 
     from raypai.data._faults import ENV, Faults
 
     monkeypatch.delenv(ENV, raising=False)
     assert Faults.from_env() == Faults()
-    monkeypatch.setenv(ENV, Faults(stop_after_shards=2).to_env())
-    assert Faults.from_env() == Faults(stop_after_shards=2)
-    Faults.from_env().after_commit(1)  # one shard committed: goes on
-    with pytest.raises(DataError, match="clean stopped after 2 shards .*run again to resume"):
-        Faults.from_env().after_commit(2)
-    monkeypatch.setenv(ENV, '{"stop_after": 2}')
-    with pytest.raises(ValueError, match=r"unknown keys \['stop_after'\]"):
+    monkeypatch.setenv(ENV, Faults(sigkill_shard="part-00001-00000.parquet", sigkill_times=2).to_env())
+    assert Faults.from_env() == Faults(sigkill_shard="part-00001-00000.parquet", sigkill_times=2)
+    Faults.from_env().in_worker("part-00000-00000.parquet", tmp_path)  # another shard: this process lives on
+    assert Faults.from_env().kills(tmp_path) == 0
+    monkeypatch.setenv(ENV, '{"kill_shard": "x"}')
+    with pytest.raises(ValueError, match=r"unknown keys \['kill_shard'\]"):
         Faults.from_env()
