@@ -64,7 +64,8 @@ def _one(args) -> dict:
     tokens = m["num_tokens"] + m["num_eval_blocks"] * 128
     return {"system": args.system, "workers": args.workers, "seconds": round(secs, 2),
             "tokens": tokens, "tokens_per_s": round(tokens / secs),
-            "seconds_second_call": round(warm, 2), "tokens_per_s_second_call": round(tokens / warm), "driver_peak_rss_growth_mb": round(peak - before, 1),
+            "seconds_second_call": round(warm, 2), "tokens_per_s_second_call": round(tokens / warm),
+            "driver_peak_rss_growth_mb": round(peak - before, 1),
             "content_sha256": m["content_sha256"][:16], "work": m.get("work")}
 
 

@@ -49,25 +49,21 @@ def _row_groups(dataset_dir: Path) -> list[tb.RowGroups]:
     return groups
 
 
-def _sample(groups: list[tb.RowGroups], sample_bytes: int | None, seed: int):
+def _sample(groups: list[tb.RowGroups], sample_bytes: int | None, seed: int, taken: dict):
     """Texts to train on: every text in dataset order, or (with a cap) whole row groups in a seeded
     random order until `sample_bytes` UTF-8 bytes, so the sample spreads over the whole dataset
-    instead of its first files. Yields texts; the last item is the (documents, bytes, row groups) taken."""
-    if sample_bytes is None:
-        order = range(len(groups))
-    else:
-        order = np.random.default_rng(seed).permutation(len(groups)).tolist()
-    docs = taken = used = 0
+    instead of its first files. Counts what it yields in `taken` (documents, bytes, row_groups)."""
+    order = range(len(groups)) if sample_bytes is None else np.random.default_rng(seed).permutation(len(groups))
+    taken.update(documents=0, bytes=0, row_groups=0)
     for i in order:
-        used += 1
+        taken["row_groups"] += 1
         for text in tb.texts(groups[i]):
             n = len(text.encode())
-            if sample_bytes is not None and taken + n > sample_bytes:
-                yield docs, taken, used
+            if sample_bytes is not None and taken["bytes"] + n > sample_bytes:
                 return
-            docs, taken = docs + 1, taken + n
+            taken["documents"] += 1
+            taken["bytes"] += n
             yield text
-    yield docs, taken, used
 
 
 def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size: int = 2048,
@@ -95,14 +91,10 @@ def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    taken = {}
+    taken: dict[str, int] = {}  # filled by _sample as the trainer reads
 
     def corpus():
-        for item in _sample(groups, sample_bytes, seed):
-            if isinstance(item, tuple):
-                taken.update(documents=item[0], bytes=item[1], row_groups=item[2])
-            else:
-                yield item
+        yield from _sample(groups, sample_bytes, seed, taken)
         yield from (extra_texts or [])
 
     tok.train_from_iterator(corpus(), trainer=trainer)
