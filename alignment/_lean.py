@@ -1,13 +1,18 @@
-"""A lean decoding forward for Llama-family models (Llama, Qwen2, Mistral): the rollout's hot loop.
+"""Lean forwards for Llama-family models (Llama, Qwen2, Mistral): the rollout's decoding loop and the
+trainer's log-probs.
 
-At rollout sizes a transformers forward pass spends most of its time outside the matrix products
+At these sizes a transformers forward pass spends much of its time outside the matrix products
 (module calls, mask construction, cache bookkeeping, output containers). This computes the same
-function from the model's own weights with a preallocated KV cache and one boolean mask: RMSNorm,
-rotary embeddings (the model's own rotary module, so every RoPE scaling it supports), grouped-query
-attention through `scaled_dot_product_attention`, SwiGLU MLP. Anything else (other architectures,
-sliding-window layers, tensor-parallel `pretraining_tp`) returns None from `lean_decoder` and the
-rollout uses the model's own forward. Checked against transformers' greedy tokens and log-probs in
-tests/alignment/test_decode.py.
+function from the model's own weights: RMSNorm, rotary embeddings (the model's own rotary module, so
+every RoPE scaling it supports), grouped-query attention through `scaled_dot_product_attention`,
+SwiGLU MLP, with q/k/v and gate/up as one matrix product each. Two users:
+- `LeanDecoder` (decoding, no autograd): a preallocated KV cache and one boolean mask;
+- `lean_hidden` (training and scoring, autograd through the model's parameters): no cache, no mask
+  at all for a right-padded batch (causal attention never reaches the padding after a row's end).
+Anything else (other architectures, sliding-window layers, tensor-parallel `pretraining_tp`,
+attention dropout while training) is refused by `lean_supported` and the caller uses the model's own
+forward. Checked against transformers in tests/alignment/test_decode.py (tokens, sampled log-probs)
+and tests/alignment/test_lean_train.py (log-probs and parameter gradients).
 """
 
 from __future__ import annotations
@@ -18,16 +23,95 @@ import torch.nn.functional as F
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-def lean_decoder(model) -> LeanDecoder | None:
-    """A LeanDecoder for `model`, or None where the lean forward would not compute the same function."""
+def lean_supported(model) -> bool:
+    """True where the lean forward computes the model's own function."""
     cfg = model.config
     if type(model).__name__ not in LEAN_ARCHITECTURES or getattr(cfg, "pretraining_tp", 1) > 1:
-        return None
+        return False
     if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        return None
+        return False
     if getattr(cfg, "sliding_window", None) and type(model).__name__ == "MistralForCausalLM":
-        return None
-    return LeanDecoder(model)
+        return False
+    # HF applies attention dropout in training mode; the lean forward has none
+    return not (model.training and getattr(cfg, "attention_dropout", 0.0))
+
+
+def lean_decoder(model) -> LeanDecoder | None:
+    """A LeanDecoder for `model`, or None where the lean forward would not compute the same function."""
+    return LeanDecoder(model) if lean_supported(model) else None
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _fused(layer) -> tuple[tuple, tuple]:
+    """((qkv weight, bias), (gate_up weight, bias)) concatenated from the layer's parameters; under
+    autograd the concatenation's backward hands each parameter its slice of the gradient."""
+    a, m = layer.self_attn, layer.mlp
+    qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+    gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+    return ((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
+            (torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b))
+
+
+class _Shape:
+    def __init__(self, cfg):
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _qkv(layer, qkv, s: _Shape, x: torch.Tensor, cos, sin):
+    """Rotated q (B, heads, T, d), rotated k and v (B, kv_heads, T, d) of one layer's attention."""
+    B, T, _ = x.shape
+    h = F.linear(_rms(layer.input_layernorm, x), *qkv).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
+    q, k, v = h.transpose(1, 2).split([s.heads, s.kv_heads, s.kv_heads], dim=1)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _finish(layer, gate_up, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Residual after attention output o (B, heads, T, d), then the SwiGLU MLP's residual."""
+    B, T, _ = x.shape
+    a, m = layer.self_attn, layer.mlp
+    x = x + F.linear(o.transpose(1, 2).reshape(B, T, -1), a.o_proj.weight, a.o_proj.bias)
+    gate, up = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
+    return x + F.linear(m.act_fn(gate) * up, m.down_proj.weight, m.down_proj.bias)
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Every row's ones come first: (B, T) non-increasing along T."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+
+
+def lean_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The final-norm hidden states (B, T, hidden) of a model `lean_supported` accepts, as its own
+    forward computes them with no position_ids (positions 0..T−1, relative under RoPE); autograd
+    reaches the model's parameters. Padding positions' outputs are not meaningful."""
+    inner, s = model.model, _Shape(model.config)
+    B, T = input_ids.shape
+    x = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(x, torch.arange(T, device=input_ids.device)[None])
+    cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, head_dim)
+    mask = None  # right padding: causal attention alone never reaches a row's padding
+    if not right_padded(attention_mask):  # a query attends to earlier real tokens; a padding query to itself
+        causal = torch.ones((T, T), dtype=torch.bool, device=input_ids.device).tril()
+        mask = (causal & attention_mask.bool()[:, None, None, :]) | torch.eye(T, dtype=torch.bool,
+                                                                             device=input_ids.device)
+    gqa = s.heads != s.kv_heads
+    for layer in inner.layers:
+        qkv, gate_up = _fused(layer)
+        q, k, v = _qkv(layer, qkv, s, x, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        x = _finish(layer, gate_up, x, o)
+    return _rms(inner.norm, x)
 
 
 class LeanDecoder:
@@ -36,66 +120,36 @@ class LeanDecoder:
 
     def __init__(self, model):
         inner = model.model
-        cfg = model.config
+        self.s = _Shape(model.config)
         self.embed, self.norm, self.rotary, self.head = inner.embed_tokens, inner.norm, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # q/k/v and gate/up as one matrix product each (the weights as they are now: a decoder is
-        # made per generation, after any weight load)
-        self.qkv, self.gate_up = [], []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            self.qkv.append((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                             None if biases[0] is None else torch.cat(biases)))
-            self.gate_up.append((torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                                 None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])))
-
-    @staticmethod
-    def _rms(norm, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * h.to(x.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        # the weights as they are now: a decoder is made per generation, after any weight load
+        self.fused = [_fused(layer) for layer in self.layers]
 
     def _layers(self, x: torch.Tensor, pos: torch.Tensor, at: slice, keys: int, mask: torch.Tensor) -> torch.Tensor:
         """Run every layer on x (B, T, hidden) whose tokens go to cache columns `at`; attention reads
         the first `keys` columns under `mask` (B, 1, T, keys)."""
-        B, T, _ = x.shape
         cos, sin = self.rotary(x, pos)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, head_dim)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = self._rms(layer.input_layernorm, x)
-            qkv = F.linear(h, *self.qkv[i]).view(B, T, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-            self.k[i][:, :, at] = self._rope(k, cos, sin)
+            qkv, gate_up = self.fused[i]
+            q, k, v = _qkv(layer, qkv, self.s, x, cos, sin)
+            self.k[i][:, :, at] = k
             self.v[i][:, :, at] = v
-            o = F.scaled_dot_product_attention(self._rope(q, cos, sin), self.k[i][:, :, :keys], self.v[i][:, :, :keys],
-                                               attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, -1), a.o_proj.weight, a.o_proj.bias)
-            m = layer.mlp
-            h = self._rms(layer.post_attention_layernorm, x)
-            gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
-            up = m.act_fn(gate) * up
-            x = x + F.linear(up, m.down_proj.weight, m.down_proj.bias)
+            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :keys], self.v[i][:, :, :keys], attn_mask=mask,
+                                               enable_gqa=self.s.heads != self.s.kv_heads)
+            x = _finish(layer, gate_up, x, o)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms(self.norm, x), self.head.weight, self.head.bias)
+        return F.linear(_rms(self.norm, x), self.head.weight, self.head.bias)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, max_new: int) -> torch.Tensor:
         B, P = ids.shape
         width = P + max_new
         x = self.embed(ids)
-        self.k = [x.new_zeros((B, self.kv_heads, width, self.head_dim)) for _ in self.layers]
-        self.v = [x.new_zeros((B, self.kv_heads, width, self.head_dim)) for _ in self.layers]
+        self.k = [x.new_zeros((B, self.s.kv_heads, width, self.s.head_dim)) for _ in self.layers]
+        self.v = [x.new_zeros((B, self.s.kv_heads, width, self.s.head_dim)) for _ in self.layers]
         self.valid = torch.zeros((B, width), dtype=torch.bool, device=ids.device)
         self.valid[:, :P] = mask.bool()
         causal = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril()

@@ -49,10 +49,39 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(x_{t+1} | x_≤t) for every position: (B, T−1)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T−1, V)
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor | None = None,
+                   lean: bool = True) -> torch.Tensor:
+    """log p(x_{t+1} | x_≤t) for every position: (B, T−1). With `where` (B, T−1), only those positions
+    are computed (the output head and the log-softmax over the vocabulary on them alone) and every
+    other entry is 0. `lean`: Llama-family models run raypai's lean forward (`raypai.alignment._lean`),
+    others their own; both give the same values and gradients (tests/alignment/test_lean_train.py)."""
+    from raypai.alignment._lean import lean_hidden, lean_supported, right_padded
+
+    B, T = input_ids.shape
+    if lean and lean_supported(model):
+        L = T
+        if right_padded(attention_mask):  # trailing all-padding columns: no label there is asked for
+            L = int(attention_mask.sum(1).max())
+            if where is not None and where[:, L - 1:].any():
+                L = T
+            L = max(L, 2)
+        h = lean_hidden(model, input_ids[:, :L], attention_mask[:, :L])[:, :-1]  # (B, L−1, hidden)
+        if where is not None:
+            where = where[:, :L - 1].bool()
+            h = h[where]  # (N, hidden): the positions asked for
+        logits = model.lm_head(h).float()  # (N, V) or (B, L−1, V)
+    else:
+        L = T
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T−1, V)
+        if where is not None:
+            where = where.bool()
+            logits = logits[where]  # (N, V)
+    labels = input_ids[:, 1:L] if where is None else input_ids[:, 1:L][where]
+    # log-softmax at the label only: logit − logsumexp over the vocabulary
+    lp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if where is not None:
+        lp = logits.new_zeros((B, L - 1)).masked_scatter(where, lp)
+    return lp if L == T else torch.nn.functional.pad(lp, (0, T - L))
 
 
 def sequence_logprob(lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,17 @@ class PolicyTrainer:
         self.engine = make_engine(AutoModelForCausalLM.from_pretrained(model_dir), lr=lr, zero_stage=zero_stage)
         self._shared = None  # raypai.alignment.sync.SharedWeights, made at the first same-node sync
 
-    def _lp(self, batch):
-        return token_logprobs(self.engine, batch["input_ids"], batch["attention_mask"])
+    def _lp(self, batch, where: torch.Tensor | None = None):
+        # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
+        # nothing here), so Llama-family models take the lean forward; `where`: only those label
+        # positions are computed, the others are 0
+        return token_logprobs(self.engine.module, batch["input_ids"], batch["attention_mask"], where=where)
+
+    @staticmethod
+    def _on(m: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
+        """x where the mask m is set, 0 elsewhere (where the policy's own log-probs are 0 as well,
+        so the ratio there is exp(0) and not exp(−old): padding labels can be very unlikely)."""
+        return None if x is None else torch.where(m > 0, x, torch.zeros_like(x))
 
     def _update(self, loss) -> float:
         self.engine.backward(loss)
@@ -52,12 +61,12 @@ class PolicyTrainer:
         blocks, plus ptx_coef × their language-modelling loss (InstructGPT's "PPO-ptx" mix, Ouyang
         et al. 2022 eq. 2, used here to keep SFT from erasing what pretraining learned)."""
         self.engine.train()
-        lp = self._lp(batch)
         m = batch["response_mask"]
+        lp = self._lp(batch, m)
         loss = -(lp * m).sum() / m.sum()
         out = {"loss": loss.item()}
         if ptx is not None and ptx_coef > 0:
-            lm = -token_logprobs(self.engine, ptx, torch.ones_like(ptx)).mean()
+            lm = -token_logprobs(self.engine.module, ptx, torch.ones_like(ptx)).mean()
             loss = loss + ptx_coef * lm
             out["ptx_loss"] = lm.item()
         out["grad_norm"] = self._update(loss)
@@ -69,7 +78,7 @@ class PolicyTrainer:
         # one forward over chosen and rejected rows together (right padding leaves each row's
         # log-probs as they are alone): half the forward/backward calls of two separate passes
         both = _stack_right_padded(chosen, rejected)
-        seq = sequence_logprob(self._lp(both), both["response_mask"])
+        seq = sequence_logprob(self._lp(both, both["response_mask"]), both["response_mask"])
         n = chosen["input_ids"].shape[0]
         pol = ChosenRejected(seq[:n], seq[n:])
         lengths = ChosenRejected(chosen["response_mask"].sum(1), rejected["response_mask"].sum(1))
@@ -83,8 +92,10 @@ class PolicyTrainer:
                   max_len: int | None = None) -> dict:
         self.engine.train()
         version = self.updates
-        lp = self._lp(batch)
-        old_lp = lp.detach() if old_lp is None else old_lp  # μ = 1: ratio 1, the gradient is the policy gradient
+        m = batch["response_mask"]
+        lp = self._lp(batch, m)
+        # μ = 1: ratio 1, the gradient is the policy gradient
+        old_lp, ref_lp = lp.detach() if old_lp is None else self._on(m, old_lp), self._on(m, ref_lp)
         loss, stats = grpo_loss(lp, old_lp, ref_lp, advantages, batch["response_mask"], clip_eps=clip_eps,
                                 clip_eps_high=clip_eps_high, beta=beta, aggregation=aggregation, max_len=max_len)
         # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
@@ -95,9 +106,9 @@ class PolicyTrainer:
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
         self.engine.train()
-        lp = self._lp(batch)
-        per_token, clipped = clipped_surrogate(lp, old_lp, advantages, clip_eps=clip_eps)
         m = batch["response_mask"]
+        lp = self._lp(batch, m)
+        per_token, clipped = clipped_surrogate(lp, self._on(m, old_lp), advantages, clip_eps=clip_eps)
         loss = masked_mean(per_token, m)
         return {"policy_loss": loss.item(), "clip_fraction": masked_mean(clipped.float(), m).item(),
                 "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}

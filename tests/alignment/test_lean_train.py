@@ -1,0 +1,90 @@
+"""The trainer's log-probs through raypai's lean forward (raypai.alignment._lean.lean_hidden, used by
+token_logprobs) against the model's own transformers forward: the same per-token log-probs and the
+same parameter gradients, on Llama, Qwen2 and Mistral configs, right- and left-padded; GPT-2 and a
+sliding-window Mistral keep the model's own forward."""
+
+import pytest
+import torch
+
+from raypai.alignment._lean import lean_supported
+from raypai.alignment._tensors import token_logprobs
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model(family: str):
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(0)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
+    if family == "qwen2":  # biases on q/k/v
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False))
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
+    if family == "mistral-sliding":
+        return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _batch(side: str):
+    """Rows of 5..13 tokens, padded on `side`, a response over each row's last 4 real labels."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [13, 5, 9, 11]
+    T = max(lengths)
+    ids = torch.randint(1, 97, (len(lengths), T), generator=g)
+    att = torch.zeros_like(ids)
+    resp = torch.zeros((len(lengths), T - 1))
+    for i, n in enumerate(lengths):
+        start = 0 if side == "right" else T - n
+        att[i, start:start + n] = 1
+        resp[i, start + n - 5:start + n - 1] = 1  # label positions of the row's last 4 tokens
+    return ids, att, resp
+
+
+def _lp_and_grads(model, ids, att, resp, lean):
+    model.zero_grad()
+    lp = token_logprobs(model, ids, att, where=resp, lean=lean)
+    (-(lp * resp).sum() / resp.sum()).backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_lean_logprobs_and_gradients_equal_the_models_own(family, side):
+    model = _model(family).train()
+    assert lean_supported(model)
+    ids, att, resp = _batch(side)
+    mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)
+    ref, ref_grads = _lp_and_grads(model, ids, att, resp, lean=False)
+    on = resp.bool()
+    assert torch.allclose(mine[on], ref[on], atol=1e-5), (mine[on] - ref[on]).abs().max()
+    assert (mine[~on] == 0).all()  # positions not asked for are not computed
+    assert my_grads.keys() == ref_grads.keys() and len(my_grads) == len(list(model.parameters()))
+    for name, g in ref_grads.items():
+        assert torch.allclose(my_grads[name], g, atol=1e-6, rtol=1e-4), (name, (my_grads[name] - g).abs().max())
+
+
+def test_every_position_without_where_equals_the_full_log_softmax():
+    model = _model("llama").eval()
+    ids, att, _ = _batch("right")
+    with torch.no_grad():
+        mine = token_logprobs(model, ids, att)
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits[:, :-1], -1)
+        ref = full.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    real = att[:, 1:].bool()  # labels that are real tokens
+    assert torch.allclose(mine[real], ref[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral-sliding"])
+def test_models_the_lean_forward_does_not_cover_use_their_own(family):
+    model = _model(family).train()
+    assert not lean_supported(model)
+    ids, att, resp = _batch("right")
+    mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)  # falls back
+    ref, ref_grads = _lp_and_grads(model, ids, att, resp, lean=False)
+    assert torch.equal(mine, ref)
+    assert all(torch.equal(my_grads[n], g) for n, g in ref_grads.items())
