@@ -144,6 +144,12 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
     if missing:
         raise DataError(f"dedup input missing: {[str(work / 'kept' / p) for p in missing]}; run clean's filter "
                         "pass into this work folder first")
+    need = {"doc_id", "text", "source", *(f"key.{op.name}" for op in dedup_ops)}
+    lacking = {p: sorted(need - set(pq.read_schema(work / "kept" / p).names)) for p in parts}
+    lacking = {p: cols for p, cols in lacking.items() if cols}
+    if lacking:
+        raise DataError(f"dedup input lacks columns {lacking}: clean's filter pass writes key.<op> for each dedup "
+                        "op of its recipe; run it with the same dedup ops into this work folder")
     if not ray.is_initialized():
         raise DataError("run_dedup runs on Ray and none is connected in this process: call "
                         "raypai.runtime.ensure_ray(Settings.load()) first")
@@ -207,7 +213,11 @@ class _Runner:
             pending = [_unit_task.remote(fn, str(stage), u, kwargs, self.faults, label) for u in todo]
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
-                ray.get(ready[0])
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayError as e:
+                    raise DataError(f"dedup round {label} failed in a unit (below); the units committed so far are "
+                                    f"kept: fix the cause and run again to resume\n{e}") from e
                 self.committed += 1
                 self.faults.after_unit(self.committed)
             sh.clear_temporaries(stage)  # those of killed attempts

@@ -276,6 +276,17 @@ def test_bad_inputs_are_refused_with_the_fix(tmp_path, ray_local, corpus):
     pq.write_table(t.set_column(0, "doc_id", pa.array(["doc-1"] * 5)), tmp_path / "kept" / "x.parquet")
     with pytest.raises(DataError, match=r"ingest's doc ids .*re-ingest.*'doc-1'"):
         run_dedup(tmp_path, ["x.parquet"], [ExactDedup()], progress=lambda m: None)
+    good = pq.read_table(root / "work" / "kept" / parts[0]).slice(0, 50)
+    pq.write_table(good.drop_columns(["key.minhash_dedup"]), tmp_path / "kept" / "y.parquet")
+    with pytest.raises(DataError, match=r"lacks columns \{'y.parquet': \['key.minhash_dedup'\]\}.*same dedup ops"):
+        run_dedup(tmp_path, ["y.parquet"], [ExactDedup(), MinHashDedup()], progress=lambda m: None)
+    # a unit that fails (here: a signature column of the wrong width) names its round; the rest is kept
+    sigs = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(50 * 3, np.uint32)), 3)
+    pq.write_table(good.set_column(good.schema.get_field_index("key.minhash_dedup"), "key.minhash_dedup", sigs),
+                   tmp_path / "kept" / "z.parquet")
+    with pytest.raises(DataError, match=r"dedup round 1-minhash_dedup/bands failed.*run again to resume"):
+        run_dedup(tmp_path, ["z.parquet"], [ExactDedup(), MinHashDedup()], progress=lambda m: None)
+    assert (tmp_path / "dedup" / "0-exact_dedup" / "reduce" / "_DONE.json").exists()
     assert DedupFaults.from_env() == DedupFaults()
 
 
