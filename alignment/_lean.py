@@ -105,13 +105,95 @@ def lean_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
         causal = torch.ones((T, T), dtype=torch.bool, device=input_ids.device).tril()
         mask = (causal & attention_mask.bool()[:, None, None, :]) | torch.eye(T, dtype=torch.bool,
                                                                              device=input_ids.device)
+    return _rms(inner.norm, _layer_stack(inner, s, x, cos, sin, mask)[0])
+
+
+def _layer_stack(inner, s: _Shape, x: torch.Tensor, cos, sin, mask, prefix=None):
+    """Every layer on x (B, T, hidden). With `prefix` = (x_p (U, Lp, hidden), cos_p, sin_p, group (B,),
+    the prefix each row continues), the rows of x continue prefixes shared by several rows: each layer runs the
+    U prefixes once and x's queries attend to their row's prefix keys, then causally to x's own.
+    Returns (x, x_p)."""
     gqa = s.heads != s.kv_heads
+    x_p = None
+    if prefix is not None:
+        x_p, cos_p, sin_p, group = prefix
     for layer in inner.layers:
         qkv, gate_up = _fused(layer)
         q, k, v = _qkv(layer, qkv, s, x, cos, sin)
+        if x_p is not None:
+            qp, kp, vp = _qkv(layer, qkv, s, x_p, cos_p, sin_p)
+            # right-padded prefixes: causal attention never reaches a prefix's padding
+            x_p_next = _finish(layer, gate_up, x_p, F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
+                                                                                   enable_gqa=gqa))
+            k, v = torch.cat([kp[group], k], dim=2), torch.cat([vp[group], v], dim=2)  # (B, kv_heads, Lp + T, d)
+            x_p = x_p_next
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         x = _finish(layer, gate_up, x, o)
-    return _rms(inner.norm, x)
+    return x, x_p
+
+
+def shared_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor):
+    """Rows (right-padded) whose tokens before their first `where` label are the same prompt: GRPO's
+    group of samples per prompt, DPO's chosen and rejected. Returns (prefix length of each row (B,),
+    group of each row (B,), one row per group (U,)), or None when no two rows share a prefix or
+    a row has no label asked for."""
+    where = where.bool()
+    if not bool(where.any(1).all()):
+        return None
+    plen = where.int().argmax(1) + 1  # (B,) tokens before the first response token
+    last_label = attention_mask.sum(1) - 2  # (B,) the last label position whose token is real
+    if bool((where & (torch.arange(where.shape[1], device=where.device) > last_label[:, None])).any()):
+        return None  # a label on padding: not a response this split covers
+    keys: dict = {}
+    group = [keys.setdefault(tuple(row[:n]), len(keys)) for row, n in zip(input_ids.tolist(), plen.tolist())]
+    if len(keys) == len(group):
+        return None
+    first = {}
+    for b, g in enumerate(group):
+        first.setdefault(g, b)
+    dev = input_ids.device
+    return plen, torch.tensor(group, device=dev), torch.tensor(list(first.values()), device=dev)
+
+
+def lean_response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
+                           groups) -> torch.Tensor:
+    """token_logprobs' values at the label positions `where` (B, T−1) of a right-padded batch, 0
+    elsewhere, with each shared prompt run once (`groups` from `shared_prefixes`): the prompt's
+    tokens pass through the layers once per group instead of once per row, and the gradient of
+    every row that continues it flows back into that one pass (the idea of Prefix Grouper, Liu et
+    al. 2025, "Efficient GRPO training through shared-prefix forward"). Same function, fewer
+    products: at GRPO's 8 samples per prompt the prompts' share of the tokens drops eightfold."""
+    inner, s = model.model, _Shape(model.config)
+    plen, group, firsts = groups
+    B, T = input_ids.shape
+    dev = input_ids.device
+    lengths = attention_mask.sum(1)  # (B,)
+    Lp, Ls = int(plen.max()), int((lengths - plen).max())
+    # prefixes (U, Lp) right-padded; suffixes (B, Ls): row b's tokens from plen[b] on
+    cols = torch.arange(Lp, device=dev)
+    p_ids = input_ids[firsts, :Lp]
+    at = plen[:, None] + torch.arange(Ls, device=dev)  # (B, Ls) absolute positions of the suffix tokens
+    s_ids = input_ids.gather(1, at.clamp(max=T - 1))
+    s_real = at < lengths[:, None]
+    x, x_p = inner.embed_tokens(s_ids), inner.embed_tokens(p_ids)
+    cos, sin = inner.rotary_emb(x, at)
+    cos_p, sin_p = inner.rotary_emb(x_p, cols[None])
+    # a suffix query sees its row's prefix (not the padding past its length), then the suffix causally
+    pmask = (cols[None] < plen[:, None])[:, None, None, :].expand(B, 1, Ls, Lp)  # (B, 1, Ls, Lp)
+    causal = torch.ones((Ls, Ls), dtype=torch.bool, device=dev).tril().expand(B, 1, Ls, Ls)
+    mask = torch.cat([pmask, causal], dim=-1)  # (B, 1, Ls, Lp + Ls)
+    x, x_p = _layer_stack(inner, s, x, cos[:, None], sin[:, None], mask,
+                          (x_p, cos_p[:, None], sin_p[:, None], group))
+    h, h_p = _rms(inner.norm, x), _rms(inner.norm, x_p)
+    # label position plen−1+j predicts suffix token j: j = 0 from the prefix's last position
+    h = torch.cat([h_p[group, plen - 1][:, None], h[:, :-1]], dim=1)  # (B, Ls, hidden)
+    lab = at - 1  # (B, Ls) label positions
+    want = where.bool().gather(1, lab.clamp(max=T - 2)) & s_real
+    logits = model.lm_head(h[want]).float()  # (N, V)
+    labels = s_ids[want]
+    lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    rows, j = want.nonzero(as_tuple=True)
+    return lp.new_zeros((B, T - 1)).index_put((rows, lab[rows, j]), lp)
 
 
 class LeanDecoder:

@@ -54,10 +54,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """log p(x_{t+1} | x_≤t) for every position: (B, T−1). With `where` (B, T−1), only those positions
     are computed (the output head and the log-softmax over the vocabulary on them alone) and every
     other entry is 0. `lean`: Llama-family models run raypai's lean forward (`raypai.alignment._lean`),
-    others their own; both give the same values and gradients (tests/alignment/test_lean_train.py)."""
-    from raypai.alignment._lean import lean_hidden, lean_supported, right_padded
+    others their own, and rows that continue the same prompt (GRPO's groups, DPO's pairs) run that
+    prompt once; all give the same values and gradients (tests/alignment/test_lean_train.py)."""
+    from raypai.alignment._lean import (lean_hidden, lean_response_logprobs, lean_supported, right_padded,
+                                        shared_prefixes)
 
     B, T = input_ids.shape
+    if lean and lean_supported(model) and where is not None and right_padded(attention_mask):
+        groups = shared_prefixes(input_ids, attention_mask, where)  # rows continuing one prompt run it once
+        if groups is not None:
+            return lean_response_logprobs(model, input_ids, attention_mask, where, groups)
     if lean and lean_supported(model):
         L = T
         if right_padded(attention_mask):  # trailing all-padding columns: no label there is asked for

@@ -1,13 +1,14 @@
 """The trainer's log-probs through raypai's lean forward (raypai.alignment._lean.lean_hidden, used by
 token_logprobs) against the model's own transformers forward: the same per-token log-probs and the
-same parameter gradients, on Llama, Qwen2 and Mistral configs, right- and left-padded; GPT-2 and a
-sliding-window Mistral keep the model's own forward."""
+same parameter gradients, on Llama, Qwen2 and Mistral configs, right- and left-padded, and with rows
+that continue a shared prompt (run once per prompt); GPT-2 and a sliding-window Mistral keep the
+model's own forward."""
 
 import pytest
 import torch
 
-from raypai.alignment._lean import lean_supported
-from raypai.alignment._tensors import token_logprobs
+from raypai.alignment._lean import lean_supported, shared_prefixes
+from raypai.alignment._tensors import pad, token_logprobs
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -66,6 +67,45 @@ def test_lean_logprobs_and_gradients_equal_the_models_own(family, side):
     assert my_grads.keys() == ref_grads.keys() and len(my_grads) == len(list(model.parameters()))
     for name, g in ref_grads.items():
         assert torch.allclose(my_grads[name], g, atol=1e-6, rtol=1e-4), (name, (my_grads[name] - g).abs().max())
+
+
+def _grouped_batch():
+    """Right-padded: prompt A (7 tokens) with 3 completions, prompt B (4 tokens) with 2, prompt C alone;
+    completions of 1 to 6 tokens, responses masked like a rollout's."""
+    g = torch.Generator().manual_seed(2)
+    tokens = lambda n: torch.randint(1, 97, (n,), generator=g).tolist()  # noqa: E731
+    a, b, c = tokens(7), tokens(4), tokens(5)
+    rows = [(a, 3), (a, 6), (a, 1), (b, 5), (b, 2), (c, 4)]
+    seqs, masks = [], []
+    for prompt, n in rows:
+        seqs.append(prompt + tokens(n))
+        masks.append([0] * len(prompt) + [1] * n)
+    return pad(seqs, masks, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(family):
+    model = _model(family).train()
+    b = _grouped_batch()
+    ids, att, resp = b["input_ids"], b["attention_mask"], b["response_mask"]
+    plen, group, firsts = shared_prefixes(ids, att, resp)
+    assert plen.tolist() == [7, 7, 7, 4, 4, 5] and group.tolist() == [0, 0, 0, 1, 1, 2] and len(firsts) == 3
+    mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)
+    ref, ref_grads = _lp_and_grads(model, ids, att, resp, lean=False)
+    on = resp.bool()
+    assert torch.allclose(mine[on], ref[on], atol=1e-5), (mine[on] - ref[on]).abs().max()
+    assert (mine[~on] == 0).all()
+    for name, g in ref_grads.items():
+        assert torch.allclose(my_grads[name], g, atol=1e-6, rtol=1e-4), (name, (my_grads[name] - g).abs().max())
+
+
+def test_no_shared_prompt_or_a_row_without_response_takes_the_plain_lean_forward():
+    b = _grouped_batch()
+    ids, att, resp = b["input_ids"], b["attention_mask"], b["response_mask"]
+    assert shared_prefixes(ids[[0, 3, 5]], att[[0, 3, 5]], resp[[0, 3, 5]]) is None  # three different prompts
+    resp = resp.clone()
+    resp[1] = 0
+    assert shared_prefixes(ids, att, resp) is None
 
 
 def test_every_position_without_where_equals_the_full_log_softmax():
