@@ -67,6 +67,7 @@ import ray
 
 from raypai._faults import from_env
 from raypai.data import _components as cc
+from raypai.data._execute import DROP_SCHEMA
 from raypai.data import _shuffle as sh
 from raypai.data.ops import minhash as mh
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
@@ -540,8 +541,6 @@ def _decide(unit: str, plan: _Plan, k: int, last: int):
 def _write(unit: str, plan: _Plan):
     """Stream part i once: its kept rows to dedup/kept/<part>, its drop records (with text) to
     dedup/dropped/<part>; both via a temporary file renamed in place."""
-    from raypai.data.clean import DROP_SCHEMA  # clean imports this module
-
     i = int(unit[1:])
     decided = [sh.gather([plan.drops(k)], "drops", unit, DROPS) for k in range(len(plan.ops))]
     op_of = np.concatenate([np.zeros(0, np.int64)] + [np.full(d.num_rows, k) for k, d in enumerate(decided)])
@@ -562,14 +561,14 @@ def _write(unit: str, plan: _Plan):
             writer.write_table(rows.filter(pa.array(~gone)))
             kept += int((~gone).sum())
             if gone.any():
-                records.append(_records(rows.filter(pa.array(gone)), bid[gone], gone_ids, op_of, d, plan, DROP_SCHEMA))
+                records.append(_records(rows.filter(pa.array(gone)), bid[gone], gone_ids, op_of, d, plan))
     pq.write_table(pa.concat_tables(records) if records else DROP_SCHEMA.empty_table(), tmp_drop)
     os.replace(tmp_kept, root / "kept" / name)
     os.replace(tmp_drop, root / "dropped" / name)
     return {}, {"kept": kept, "dropped": sum(r.num_rows for r in records)}
 
 
-def _records(rows: pa.Table, ids: np.ndarray, gone_ids, op_of, d: pa.Table, plan: _Plan, schema) -> pa.Table:
+def _records(rows: pa.Table, ids: np.ndarray, gone_ids, op_of, d: pa.Table, plan: _Plan) -> pa.Table:
     """Drop records (clean's DROP_SCHEMA) of `rows`, whose doc ids `ids` are all in `gone_ids`."""
     pos = np.searchsorted(gone_ids, ids)
     cluster = _hex(d.column("cluster").to_numpy()[pos])
@@ -582,4 +581,4 @@ def _records(rows: pa.Table, ids: np.ndarray, gone_ids, op_of, d: pa.Table, plan
     stat = [None if isinstance(op, ExactDedup) else s for op, s in zip(ops, sim.tolist())]
     return pa.table({"doc_id": rows.column("doc_id"), "source": rows.column("source"), "op": [op.name for op in ops],
                      "reason": reasons, "stat": pa.array(stat, pa.float64()), "cluster_id": cluster,
-                     "text": rows.column("text")}, schema=schema)
+                     "text": rows.column("text")}, schema=DROP_SCHEMA)
