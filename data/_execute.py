@@ -49,17 +49,25 @@ def clean_shards(batch: pa.Table, raw_dir: str, work: str, batch_size: int, n_op
             out.append(apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs))
             faults.in_worker(name, Path(work))  # raypai's own kill drill (raypai.data._faults)
         rows = pa.concat_tables(out)
-        kept = commit_shard(Path(work), name, rows, n_ops)
+        kept = commit_shard(Path(work), name, rows, n_ops, row_ops_kwargs["dedup_ops"])
         yield pa.table([[name], [rows.num_rows], [kept]], schema=SUMMARY_SCHEMA)
 
 
-def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int) -> int:
+def key_fields(dedup_ops) -> list[pa.Field]:
+    """The `key.<op>` columns `apply_row_ops` adds, for shards that had no rows to add them to."""
+    return [pa.field(f"key.{op.name}", pa.string() if isinstance(op, ExactDedup)
+                     else pa.list_(pa.uint32(), op.num_perm)) for op in dedup_ops]
+
+
+def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int, dedup_ops=()) -> int:
     """Write one shard's kept and dropped rows and its stats columns, then its done marker with the
     shard's worker seconds per op and the task that did it (last, so a kill in between leaves the
     shard pending; a retried or resumed task rewrites every file). Returns the rows kept."""
     seconds = [0.0] * n_ops
     if rows is None or not rows.num_rows:
         kept, dropped, stats_cols = KEEP_SCHEMA.empty_table(), DROP_SCHEMA.empty_table(), []
+        for field in key_fields(dedup_ops):  # the dedup pass reads every part's key columns
+            kept = kept.append_column(field, pa.array([], field.type))
     else:
         is_drop = pc.is_valid(rows.column("drop_op"))
         k, d = rows.filter(pc.invert(is_drop)), rows.filter(is_drop)

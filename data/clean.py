@@ -1,18 +1,22 @@
-"""Clean a raw dataset on Ray: mappers and filters with Ray Data `map_batches` (which also compute
-the dedup keys and MinHash signatures), then exact and verified MinHash dedup over all shards in
-the driver. Every row is accounted for.
+"""Clean a raw dataset on Ray; the driver holds counters and names, never rows.
 
     from raypai.data import clean
     manifest = clean("ingested/", "cleaned/", recipe="default", work_dir=".raypai/work/clean-x")
 
-Resumable per input shard: each shard's filtered rows are committed to `work_dir` as soon as the
-shard is complete; a re-run skips the committed ones.
+1. Filter pass: one Ray Data task per ingested part (ingest cuts big files into parts of about
+   `block_bytes`) runs the mappers and filters and computes the dedup keys and MinHash signatures
+   (`raypai.data._execute`), then commits the part's kept and dropped rows to `work_dir` itself.
+2. Dedup: `raypai.data._dedup.run_dedup` over the committed parts, as Ray tasks per part and per
+   hash bucket, each round committed to `work_dir/dedup`.
+3. Outputs: one Ray task per part writes its output shard; one streams the drop records into
+   `dropped.parquet`; one writes the report (`raypai.data._write`).
+
+Resumable: a re-run with the same `work_dir` skips every committed shard and dedup round.
 Invariant checked on every run: input = kept + Σ dropped per op + rejected.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -25,6 +29,8 @@ import pyarrow.parquet as pq
 import ray
 
 from raypai.data import _execute as ex
+from raypai.data import _write as wr
+from raypai.data._dedup import run_dedup
 from raypai.data._faults import Faults
 from raypai.data.ops.dedup import ExactDedup
 from raypai.data.recipe import describe, is_dedup, load_recipe
@@ -70,7 +76,7 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     pending = [p for p in parts if not (work / "done" / f"{p}.json").exists()]
     progress(f"clean: {len(parts) - len(pending)}/{len(parts)} shards already done; {len(pending)} to filter")
     for p in [p for p in pending if rows_of[p] == 0]:  # an empty shard yields no batch: commit it now
-        ex.commit_shard(work, p, None, len(ops))
+        ex.commit_shard(work, p, None, len(ops), dedup_ops)
     pending = [p for p in pending if rows_of[p] > 0]
     if pending:
         # largest shards first, so the last task to start is a short one
@@ -91,48 +97,16 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
             tasks.add(marker["task_id"])
             per_node[marker["node_id"]] = per_node.get(marker["node_id"], 0) + 1
     filter_info = {"shards": len(parts), "tasks": len(tasks), "tasks_per_node": per_node}
-    kept = _concat([pq.read_table(work / "kept" / f"{p}") for p in parts]).sort_by("doc_id")
-    dropped = [pq.read_table(work / "dropped" / f"{p}") for p in parts]
-    for op in dedup_ops:
-        t1 = time.perf_counter()
-        kept, gone = _dedup(kept, op)
-        dropped.append(gone)
-        seconds[ops.index(op)] += time.perf_counter() - t1
-        progress(f"clean: {op.name} removed {gone.num_rows} duplicates")
-    dropped_all = _concat(dropped, DROP_SCHEMA)
-    op_stats = _op_stats(ops, raw["rows"], dropped_all, seconds)
+    final, pieces = work / "kept", [work / "dropped" / p for p in parts]
+    if dedup_ops:  # distributed and resumable: raypai.data._dedup, per-part results under work/dedup
+        d = run_dedup(work, parts, dedup_ops, progress=progress)
+        for op in dedup_ops:
+            seconds[ops.index(op)] += d["seconds"][op.name]
+        final = work / "dedup" / "kept"
+        pieces = [x for p in parts for x in (work / "dropped" / p, work / "dedup" / "dropped" / p)]
     stats_files = [f for p in parts if (f := work / "done" / f"{p}.stats.parquet").exists()]
-    return _write_outputs(raw_dir, out_dir, raw, kept.select(KEEP_COLUMNS), dropped_all, op_stats, ops,
-                          time.time() - t0, logger, stats_files, filter_info)
-
-
-def _dedup(kept: pa.Table, op) -> tuple[pa.Table, pa.Table]:
-    """(rows kept, drop records) of one dedup op over the rows that passed the filters."""
-    ids = kept.column("doc_id").to_pylist()  # sorted, so the lowest index in a cluster is its keeper
-    keys = kept.column(f"key.{op.name}")
-    if isinstance(op, ExactDedup):
-        keeper = _exact_clusters(ids, keys.to_pylist())
-        gone_rows = np.asarray([i for i, k in enumerate(keeper) if k != i], dtype=np.int64)
-        stat = pa.nulls(len(gone_rows), pa.float64())
-        reasons = [f"duplicate of {ids[keeper[i]]}" for i in gone_rows.tolist()]
-    else:
-        sigs = np.asarray(pc.list_flatten(keys).to_numpy(zero_copy_only=False), dtype=np.uint32)
-        dups = op.find(kept.column("text"), sigs.reshape(kept.num_rows, op.num_perm))  # (N, num_perm) signatures
-        keeper, gone_rows = dups.keeper, dups.dropped
-        stat = pa.array(dups.similarity[gone_rows], pa.float64())
-        reasons = [f"near-duplicate of {ids[p]} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); "
-                   f"cluster kept {ids[k]}" for p, s, e, k in zip(dups.partner[gone_rows].tolist(),
-                                                                  dups.similarity[gone_rows].tolist(),
-                                                                  dups.exact[gone_rows].tolist(),
-                                                                  keeper[gone_rows].tolist())]
-    mask = np.zeros(kept.num_rows, dtype=bool)
-    mask[gone_rows] = True
-    gone = kept.take(pa.array(gone_rows, pa.int64()))
-    records = pa.table({"doc_id": gone.column("doc_id"), "source": gone.column("source"),
-                        "op": [op.name] * len(gone_rows), "reason": reasons, "stat": stat,
-                        "cluster_id": [ids[k] for k in np.asarray(keeper)[gone_rows].tolist()],
-                        "text": gone.column("text")}, schema=DROP_SCHEMA)
-    return kept.filter(pa.array(~mask)), records
+    return _write_outputs(raw_dir, out_dir, raw, final, parts, pieces, ops, seconds, time.time() - t0, logger,
+                          stats_files, filter_info)
 
 
 def _prepare_work(work: Path, recipe_desc: list) -> None:
@@ -164,24 +138,9 @@ def _run_filter_pass(ds, expected: dict[str, int], progress) -> None:
                         "the committed shards stay in work_dir: run the same clean again to resume") from exc
 
 
-def _concat(tables: list[pa.Table], schema: pa.Schema | None = None) -> pa.Table:
-    tables = [t for t in tables if t is not None]
-    if not tables:
-        return schema.empty_table() if schema else pa.table({c: pa.array([], pa.string()) for c in KEEP_COLUMNS})
-    return pa.concat_tables(tables, promote_options="permissive")
-
-
-def _exact_clusters(doc_ids: list[str], keys: list[str]) -> list[int]:
-    """(N,) row of each row's keeper; `doc_ids` sorted, so the first holder of a key keeps it."""
-    first: dict[str, int] = {}
-    return [first.setdefault(key, i) for i, key in enumerate(keys)]
-
-
-def _op_stats(ops, input_rows: int, dropped: pa.Table, seconds) -> list[dict]:
-    """Rows in/out per op from the drop records, worker seconds per op from the shards' done
-    markers (both complete across resumed runs), plus the driver's dedup time."""
-    by_op = dict(zip(*np.unique(np.asarray(dropped.column("op").to_pylist(), dtype=object), return_counts=True))) \
-        if dropped.num_rows else {}
+def _op_stats(ops, input_rows: int, by_op: dict[str, int], seconds) -> list[dict]:
+    """Rows in/out per op from the drop records' counts, worker seconds per op from the shards' done
+    markers and the dedup rounds (both complete across resumed runs)."""
     rows, alive = [], input_rows
     for i, op in enumerate(ops):
         n_drop = int(by_op.get(op.name, 0))
@@ -191,32 +150,76 @@ def _op_stats(ops, input_rows: int, dropped: pa.Table, seconds) -> list[dict]:
     return rows
 
 
-def _write_outputs(raw_dir, out_dir, raw, kept, dropped, op_stats, ops, seconds, logger, stats_files,
+def _write_outputs(raw_dir, out_dir, raw, final: Path, parts, pieces, ops, seconds, t_run, logger, stats_files,
                    filter_info) -> dict:
+    """Output shards (one Ray task per non-empty part: its final kept rows), `dropped.parquet`
+    (one task streaming the drop records), the report (one task); the driver adds up counters."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shard_rows = 50_000
-    shards = []
-    for i in range(max(1, -(-kept.num_rows // shard_rows))):
-        name = f"part-{i:05d}.parquet"
-        pq.write_table(kept.slice(i * shard_rows, shard_rows), out_dir / name)
-        shards.append({"file": name, "rows": min(shard_rows, kept.num_rows - i * shard_rows),
-                       "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest()})
-    pq.write_table(dropped.sort_by([("op", "ascending"), ("doc_id", "ascending")]), out_dir / "dropped.parquet")
+    for old in out_dir.glob("part-*.parquet"):  # a previous run's shards (their number may differ)
+        old.unlink()
+    rows_of = {p: pq.ParquetFile(final / p).metadata.num_rows for p in parts}  # footers only
+    names = {p: f"part-{i:05d}.parquet" for i, p in enumerate(p for p in parts if rows_of[p])}
+    write = ray.remote(num_cpus=1, max_retries=FILTER_RETRIES)
+    refs = [write(wr.write_shard).remote(str(final / p), str(out_dir / n)) for p, n in names.items()]
+    if not names:  # a dataset with no rows left: one empty shard, so readers find the schema
+        names, refs = {"": "part-00000.parquet"}, [write(wr.write_empty_shard).remote(str(out_dir / "part-00000.parquet"))]
+    drops = write(wr.merge_dropped).remote([str(x) for x in pieces], str(out_dir / "dropped.parquet"))
+    shards = [{"file": n, "rows": r["rows"], "sha256": r["sha256"]} for n, r in zip(names.values(), ray.get(refs))]
+    text_bytes = sum(r["text_bytes"] for r in ray.get(refs))
+    drops = ray.get(drops)
     shutil.copyfile(raw_dir / "rejected.parquet", out_dir / "rejected.parquet")
+    op_stats = _op_stats(ops, raw["rows"], drops["by_op"], seconds)
+    kept = sum(s["rows"] for s in shards)
     total_input = raw["rows"] + raw["rejected"]
-    accounting = {"input_rows": total_input, "kept": kept.num_rows, "dropped": dropped.num_rows,
-                  "rejected": raw["rejected"],
-                  "dropped_by_op": {r["op_name"]: r["dropped"] for r in op_stats}}
-    if total_input != kept.num_rows + sum(accounting["dropped_by_op"].values()) + raw["rejected"]:
-        raise DataError(f"accounting invariant broken: input {total_input} != kept {kept.num_rows} + dropped "
+    accounting = {"input_rows": total_input, "kept": kept, "dropped": sum(drops["by_op"].values()),
+                  "rejected": raw["rejected"], "dropped_by_op": {r["op_name"]: r["dropped"] for r in op_stats}}
+    if total_input != kept + sum(accounting["dropped_by_op"].values()) + raw["rejected"] or \
+            accounting["dropped"] != sum(accounting["dropped_by_op"].values()):
+        raise DataError(f"accounting invariant broken: input {total_input} != kept {kept} + dropped "
                         f"{accounting['dropped_by_op']} + rejected {raw['rejected']}; this is a raypai bug, report it")
-    manifest = {"kind": "dataset", "schema": KEEP_COLUMNS, "rows": kept.num_rows, "shards": shards,
+    manifest = {"kind": "dataset", "schema": KEEP_COLUMNS, "rows": kept, "shards": shards,
                 "sources": raw["files"], "recipe": describe(ops), "op_stats": op_stats, "accounting": accounting,
-                "seconds": round(seconds, 2), "filter": filter_info,
-                "text_bytes": int(sum(len(t.encode()) for t in kept.column("text").to_pylist()))}
+                "seconds": round(t_run, 2), "filter": filter_info, "text_bytes": text_bytes}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    write_report(out_dir, manifest, dropped, stats_files)
+    ray.get(write(write_report).remote(out_dir, manifest, wr.samples_table(drops["samples"]), stats_files))
     if logger is not None:
-        logger.log_metrics({"kept": kept.num_rows, "dropped": dropped.num_rows, "rejected": raw["rejected"],
+        logger.log_metrics({"kept": kept, "dropped": accounting["dropped"], "rejected": raw["rejected"],
                             **{f"dropped.{k}": v for k, v in accounting["dropped_by_op"].items()}})
     return manifest
+
+
+# The in-process dedup clean ran in its driver before raypai.data._dedup: clean no longer calls it;
+# tests/data/test_dedup_dist.py compares the distributed dedup's drops and keepers against it.
+def _dedup(kept: pa.Table, op) -> tuple[pa.Table, pa.Table]:
+    """(rows kept, drop records) of one dedup op over the rows that passed the filters."""
+    ids = kept.column("doc_id").to_pylist()  # sorted, so the lowest index in a cluster is its keeper
+    keys = kept.column(f"key.{op.name}")
+    if isinstance(op, ExactDedup):
+        keeper = _exact_clusters(ids, keys.to_pylist())
+        gone_rows = np.asarray([i for i, k in enumerate(keeper) if k != i], dtype=np.int64)
+        stat = pa.nulls(len(gone_rows), pa.float64())
+        reasons = [f"duplicate of {ids[keeper[i]]}" for i in gone_rows.tolist()]
+    else:
+        sigs = np.asarray(pc.list_flatten(keys).to_numpy(zero_copy_only=False), dtype=np.uint32)
+        dups = op.find(kept.column("text"), sigs.reshape(kept.num_rows, op.num_perm))  # (N, num_perm) signatures
+        keeper, gone_rows = dups.keeper, dups.dropped
+        stat = pa.array(dups.similarity[gone_rows], pa.float64())
+        reasons = [f"near-duplicate of {ids[p]} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); "
+                   f"cluster kept {ids[k]}" for p, s, e, k in zip(dups.partner[gone_rows].tolist(),
+                                                                  dups.similarity[gone_rows].tolist(),
+                                                                  dups.exact[gone_rows].tolist(),
+                                                                  keeper[gone_rows].tolist())]
+    mask = np.zeros(kept.num_rows, dtype=bool)
+    mask[gone_rows] = True
+    gone = kept.take(pa.array(gone_rows, pa.int64()))
+    records = pa.table({"doc_id": gone.column("doc_id"), "source": gone.column("source"),
+                        "op": [op.name] * len(gone_rows), "reason": reasons, "stat": stat,
+                        "cluster_id": [ids[k] for k in np.asarray(keeper)[gone_rows].tolist()],
+                        "text": gone.column("text")}, schema=DROP_SCHEMA)
+    return kept.filter(pa.array(~mask)), records
+
+
+def _exact_clusters(doc_ids: list[str], keys: list[str]) -> list[int]:
+    """(N,) row of each row's keeper; `doc_ids` sorted, so the first holder of a key keeps it."""
+    first: dict[str, int] = {}
+    return [first.setdefault(key, i) for i, key in enumerate(keys)]

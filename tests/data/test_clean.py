@@ -32,7 +32,8 @@ def corpus(tmp_path_factory, ray_local):
 
 
 def _kept(root):
-    return pq.read_table(root / "clean" / "part-00000.parquet").to_pylist()
+    shards = json.loads((root / "clean" / "manifest.json").read_text())["shards"]
+    return [r for s in shards for r in pq.read_table(root / "clean" / s["file"]).to_pylist()]
 
 
 def test_ground_truth_dedup_pii_and_accounting(corpus):
@@ -272,6 +273,22 @@ def test_cross_shard_duplicates_are_found(tmp_path, ray_local):
     assert m["accounting"]["dropped_by_op"]["exact_dedup"] == 1
     assert m["accounting"]["dropped_by_op"]["minhash_dedup"] == 1
     assert m["rows"] == 6
+
+
+def test_no_rows_left_is_a_valid_empty_dataset(tmp_path, ray_local):
+    """Every row rejected at ingest, or dropped by a filter: one empty shard with the schema, the
+    invariant holds, and the empty parts go through the dedup pass (their key columns exist)."""
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "a.jsonl").write_bytes(b'{"text": 1}\n{"oops"\n')
+    (junk / "b.jsonl").write_text(json.dumps({"text": "too short"}) + "\n")
+    ingest(junk, tmp_path / "ing")
+    m = clean(tmp_path / "ing", tmp_path / "out", work_dir=tmp_path / "w")
+    assert m["rows"] == 0 and [s["rows"] for s in m["shards"]] == [0]
+    assert pq.read_table(tmp_path / "out" / m["shards"][0]["file"]).column_names == m["schema"]
+    assert m["accounting"] | {"dropped_by_op": None} == {"input_rows": 3, "kept": 0, "dropped": 1, "rejected": 2,
+                                                          "dropped_by_op": None}
+    assert m["accounting"]["dropped_by_op"]["word_count"] == 1
 
 
 def test_bad_inputs_are_clear(tmp_path, ray_local):
