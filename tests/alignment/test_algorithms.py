@@ -4,6 +4,7 @@ preference accuracy and margin, GRPO raises held-out exact match over the SFT mo
 learns from its own ranked samples, PPO trains its critic; a GRPO run whose trainer is killed resumes from its checkpoint."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -131,6 +132,14 @@ def test_ppo_trains_policy_and_critic(sft, tmp_path):
     assert json.loads((tmp_path / "ppo" / "raypai.json").read_text())["metrics"]["steps_run"] == 6 == p["steps_run"]
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed worker can linger unreaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3)
@@ -141,9 +150,14 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     while not has_checkpoint(ckpt) and time.time() < deadline:
         time.sleep(0.1)
     assert has_checkpoint(ckpt), "no checkpoint was written before the deadline"
-    ray.kill(ray.get_actor("t-kill/policy-0"))  # the trainer's process dies mid-run
+    trainer = ray.get_actor("t-kill/policy-0")
+    pid = ray.get(trainer.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(trainer)  # the trainer's process dies mid-run
     with pytest.raises(ray.exceptions.RayError):
         ray.get(driver)
+    # ray.kill returns before the process is gone: read `latest` only once it can write no more
+    while time.time() < deadline and _running(pid):
+        time.sleep(0.05)
     tag = (ckpt / "policy" / "latest").read_text().strip()  # a kill mid-save leaves the previous one named
     saved = torch.load(ckpt / "policy" / tag / "mp_rank_00_model_states.pt", weights_only=False)["step"]
     assert 2 <= saved < 12 and saved % 2 == 0
