@@ -32,15 +32,15 @@ def clean_cmd(input_dir: str, output_dir: Path, recipe: str = typer.Option("defa
     from raypai.data.ingest import IngestConfig, ingest
     from raypai.data.recipe import load_recipe
 
-    ops = load_recipe(recipe)  # validate before any work
-    raw = output_dir / "_raw"
-    m = ingest(input_dir, raw, IngestConfig(text_mode=text_mode))
-    typer.echo(f"ingested {m['rows']} rows ({m['rejected']} rejected) from {len(m['files'])} files")
     from raypai.runtime import ensure_ray
     from raypai.settings import Settings
 
-    ensure_ray(Settings.load(), dashboard=False, log_to_driver=False)
+    ops = load_recipe(recipe)  # validate before any work
+    raw = output_dir / "_raw"
+    ensure_ray(Settings.load(), dashboard=False, log_to_driver=False)  # ingest's ranges run as Ray tasks too
     try:
+        m = ingest(input_dir, raw, IngestConfig(text_mode=text_mode))
+        typer.echo(f"ingested {m['rows']} rows ({m['rejected']} rejected) from {len(m['files'])} files")
         out = clean(raw, output_dir, ops, work_dir=output_dir / "_work")
     finally:
         ray.shutdown()
