@@ -23,7 +23,8 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
     # CPU: torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, **({} if use_gpu else {"fused": True}))
+    fused = {} if use_gpu else {"fused": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, **fused)
     conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9, "bf16": {"enabled": use_gpu}}

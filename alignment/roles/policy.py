@@ -114,9 +114,10 @@ class PolicyTrainer:
                 "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}
 
     def logprobs(self, batch: dict) -> torch.Tensor:
+        """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
         self.engine.eval()
         with torch.no_grad():
-            return self._lp(batch)
+            return self._lp(batch, batch["response_mask"])
 
     def version(self) -> int:
         return self.updates

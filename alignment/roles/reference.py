@@ -16,4 +16,6 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
-        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+        """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere: every caller
+        masks them, so the head runs on those positions only and each shared prompt once."""
+        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], where=batch["response_mask"])

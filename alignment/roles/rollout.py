@@ -86,7 +86,8 @@ class Rollout:
                 lp[i, len(p) - 1:len(p) - 1 + len(row)] = row
             out["logprobs"] = lp
         elif logprobs:
-            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                             where=batch["response_mask"])
         return out
 
     def _hf_generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p) -> tuple[list[list[int]], int]:
@@ -127,4 +128,5 @@ class Rollout:
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
-        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+        """(B, T−1) log-probs of the response tokens under the loaded weights, 0 elsewhere."""
+        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], where=batch["response_mask"])
