@@ -40,7 +40,7 @@ def _grouped(arcs: pa.Table):
     first[1:] = src[1:] != src[:-1]
     heads = np.flatnonzero(first)                       # (U,) each node's first arc
     group = np.cumsum(first) - 1                        # (E,) node index of each arc
-    ends = np.concatenate([heads[1:], [len(src)]]) - 1  # (U,) each node's last arc
+    ends = np.append(heads[1:], len(src))[:len(heads)] - 1  # (U,) each node's last arc; none when no arcs
     return src, dst, sp, dp, heads, group, ends
 
 

@@ -243,6 +243,17 @@ def test_star_rounds_find_the_components_with_their_lowest_ids(seed):
     assert 4 <= len(changes) <= 2 * (math.log2(len(ids)) ** 2), len(changes)
 
 
+def test_star_rounds_on_a_bucket_with_no_arcs():
+    """A bucket that received no arcs (a corpus with few duplicates, many buckets) gives empty
+    rounds, no changes and no leaves, not an error."""
+    from raypai.data import _components as cc
+
+    arcs = cc.ARCS.empty_table()
+    out, n = cc.large_star(arcs)
+    assert out.num_rows == 0 and n == 0
+    out, n, leaves = cc.small_star(arcs)
+    assert out.num_rows == 0 and n == 0 and leaves.num_rows == 0
+
 def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
     """A recipe with MinHash dedup only, a part with no rows, and a changed bucket count (the old
     rounds are discarded, the result is the same)."""
