@@ -8,15 +8,31 @@ from raypai.errors import TrainError
 from raypai.train.config import ModelConfig
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None):
-    """A `LlamaForCausalLM` from the config, or the checkpoint at `cfg.init_from`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None, *,
+                weights: bool = True):
+    """A `LlamaForCausalLM` from the config, or the checkpoint at `cfg.init_from`.
+
+    `weights=False`: the architecture only, on PyTorch's meta device (no memory allocated, no random
+    init, no weights read), which is all the driver's plan needs to count parameters and read the
+    shape; building a 1B-parameter model for real would cost it seconds and 4 GB per run."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if cfg.init_from:
         path = Path(cfg.init_from)
         if not (path / "config.json").exists():
             raise TrainError(f"model.init_from={cfg.init_from}: not a Hugging Face model folder (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(path)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path)
+        else:
+            if not any((path / name).exists() for name in WEIGHT_FILES):
+                raise TrainError(f"model.init_from={cfg.init_from}: no weights there (none of {', '.join(WEIGHT_FILES)}); "
+                                 "pass a folder written by save_pretrained")
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         if model.config.vocab_size != vocab_size:
             raise TrainError(f"vocab mismatch: model at {path} has vocab_size {model.config.vocab_size} but the "
                              f"tokenizer has {vocab_size}; use the tokenizer the model was trained with")
@@ -25,7 +41,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eo
                      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                      max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
                      pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
-    return LlamaForCausalLM(hf)
+    if weights:
+        return LlamaForCausalLM(hf)
+    with torch.device("meta"):
+        return LlamaForCausalLM(hf)
 
 
 def param_count(model) -> int:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +23,31 @@ from raypai.train.data import read_manifest
 from raypai.train.export import export_model
 from raypai.train.loop import train_loop
 from raypai.train.model import build_model, flops_per_token, param_count
+
+
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default
+# 2 s) and each poll takes at most one report off a worker's one-slot result queue: every
+# checkpoint reported while the previous one still waits there blocks its worker until a poll,
+# and the end of training is noticed one to two polls late. A poll is one small actor call per
+# worker; how long a hung worker may take before it is declared dead is a separate timeout
+# (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S), so polling faster detects nothing less reliably.
+# A value the user exported wins.
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+CONTROLLER_POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def _controller_poll_interval():
+    """Set `CONTROLLER_POLL_ENV` for the Ray Train run started inside (Ray Train forwards it from
+    this process to its controller) unless the user set it; restore the environment after."""
+    if CONTROLLER_POLL_ENV in os.environ:
+        yield
+        return
+    os.environ[CONTROLLER_POLL_ENV] = str(CONTROLLER_POLL_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(CONTROLLER_POLL_ENV, None)
 
 
 def _tokenizer_info(tokenizer_dir: str | Path | None) -> tuple[int | None, int | None]:
@@ -51,7 +78,7 @@ def plan(shards_dir: str | Path, cfg: PretrainConfig, tokenizer_dir: str | Path 
         raise TrainError(f"blocks of {seq_len} tokens exceed model.max_positions={cfg.model.max_positions}; "
                          "raise model.max_positions or tokenize with a smaller block_size")
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
-    model = build_model(cfg.model, vocab)
+    model = build_model(cfg.model, vocab, weights=False)  # shape and size only: on the meta device
     n_params = param_count(model)
     hf = model.config  # the real shape, also when the model comes from init_from (its config.json)
     shape = strategy.ModelShape.of(hf)
@@ -105,6 +132,11 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
           f"× micro-batch {cfg.micro_batch} × accum {cfg.grad_accum}, {cfg.steps} steps; "
           f"est. {info['memory_estimate_gb']:.3f} GB/worker", flush=True)
     t0 = time.time()
+    if resume and not cfg.resume_from and (done := _finished_checkpoint(fs, run_dir, storage_path, name, cfg.steps)):
+        ckpt_path, metrics = done
+        print(f"[raypai.train] {name}: already finished (final checkpoint {ckpt_path}); exporting it", flush=True)
+        return _export(checkpoint.checkpoint_from_path(ckpt_path), metrics, ckpt_path, out_dir, cfg, info,
+                       tokenizer_dir=tokenizer_dir, lineage=lineage, t0=t0)
     shards = shards_dir if _fs.is_remote(shards_dir) else str(Path(shards_dir).absolute())
     trainer = TorchTrainer(
         train_loop,
@@ -122,7 +154,8 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
         resume_from_checkpoint=resume_ckpt,
     )
     try:
-        result = trainer.fit()
+        with _controller_poll_interval():
+            result = trainer.fit()
     except Exception as exc:  # noqa: BLE001 - Ray wraps worker errors; keep the cause readable
         last = str(exc).strip().splitlines()[-1][:500] if str(exc).strip() else type(exc).__name__
         raise TrainError(f"training run {name!r} failed after {cfg.max_failures} restart(s): {last}; its "
@@ -130,13 +163,36 @@ def pretrain(shards_dir: str | Path, tokenizer_dir: str | Path | None, out_dir: 
                          "from the latest one") from exc
     if result.checkpoint is None:
         raise TrainError(f"training run {name!r} finished without a final checkpoint")
-    metrics = dict(result.metrics or {})
-    with result.checkpoint.as_directory() as d:
-        export_model(Path(d) / "hf", out_dir, tokenizer_dir=tokenizer_dir, eos_id=info["eos_id"],
-                     pad_id=info["pad_id"], training=cfg.to_dict(), plan=info, metrics=metrics,
-                     lineage=lineage or {})
     ckpt_path = result.checkpoint.path
     if _fs.is_remote(storage_path):  # Ray gives the path inside the bucket; callers get a URI back
         ckpt_path = _fs.join(storage_path, name, Path(ckpt_path).name)
+    return _export(result.checkpoint, dict(result.metrics or {}), ckpt_path, out_dir, cfg, info,
+                   tokenizer_dir=tokenizer_dir, lineage=lineage, t0=t0)
+
+
+def _export(ckpt, metrics: dict, ckpt_path, out_dir, cfg: PretrainConfig, info: dict, *, tokenizer_dir, lineage,
+            t0: float) -> dict:
+    """Export the final checkpoint `ckpt` (a `ray.train.Checkpoint`) to `out_dir`; `pretrain`'s result."""
+    with ckpt.as_directory() as d:
+        export_model(Path(d) / "hf", out_dir, tokenizer_dir=tokenizer_dir, eos_id=info["eos_id"],
+                     pad_id=info["pad_id"], training=cfg.to_dict(), plan=info, metrics=metrics,
+                     lineage=lineage or {})
     return {"metrics": metrics, "info": info, "config": cfg.to_dict(), "seconds": time.time() - t0,
             "checkpoint_path": ckpt_path}
+
+
+def _finished_checkpoint(fs, run_dir: str, storage_path, name: str, steps: int):
+    """(checkpoint path, metrics) of run `name` when it already finished `steps` steps: its newest
+    checkpoint is a final one (it holds `metrics.json`), at or past `steps`, and Ray Train has
+    registered it (so it is complete and what a restarted worker group would load). Otherwise None.
+    Starting a worker group for such a run would only load that checkpoint and report it again."""
+    latest = checkpoint.latest_checkpoint(storage_path, name)
+    if latest is None:
+        return None
+    folder = f"{run_dir}/{Path(str(latest)).name}"
+    position = _fs.read_json(fs, f"{folder}/{checkpoint.DATA_POSITION}") or {}
+    metrics = _fs.read_json(fs, f"{folder}/{checkpoint.FINAL_METRICS}")
+    next_step = position.get("next_step", -1)
+    if metrics is None or next_step < steps or not checkpoint.is_registered(fs, run_dir, next_step):
+        return None
+    return str(latest), metrics

@@ -113,6 +113,22 @@ def test_a_finished_run_called_again_returns_its_final_metrics(reference, big_sh
     assert info["metrics"]["eval_loss"] == ref["eval_loss"]
 
 
+def test_a_finished_run_called_again_starts_no_workers(reference, big_shards, tokenizer_dir, tmp_path):
+    """Called again by name, a run whose registered newest checkpoint is its final one is exported
+    from that checkpoint by the driver: no worker group starts, so nothing in the run's storage
+    changes (a worker group would re-register the checkpoint in Ray Train's snapshot file)."""
+    folder, _ = big_shards
+    run = reference[1]["store"] / "zero1"
+    before = {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    res = pretrain(folder, tokenizer_dir, tmp_path / "model", _cfg(zero_stage=1), name="zero1",
+                   storage_path=reference[1]["store"])
+    after = {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    assert after == before
+    assert res["checkpoint_path"] == str(run / "checkpoint_000040")
+    assert res["metrics"]["eval_loss"] == reference[1]["result"]["metrics"]["eval_loss"]
+    assert (tmp_path / "model" / "model.safetensors").exists()
+
+
 def test_zero_stages_0_1_2_give_the_same_loss_curve(reference):
     curves = {s: [r["loss"] for r in reference[s]["rows"] if "loss" in r] for s in (0, 1, 2)}
     for stage in (0, 1):

@@ -335,3 +335,20 @@ def test_token_shards_manifest_reads_what_the_tokenizer_writes(tmp_path):
         TokenShardsManifest.from_dict({**written, "kind": "dataset"})
     synthetic = write_token_shards(tmp_path, blocks=16)
     assert TokenShardsManifest.from_dict(synthetic) == read_manifest(tmp_path)
+
+
+def test_the_controller_poll_interval_is_set_for_the_run_only_and_a_user_value_wins(monkeypatch):
+    """Ray Train's controller polls every 2 s by default and takes one report per poll: raypai
+    shortens the interval for its own run (Ray Train forwards the variable to its controller)."""
+    import os
+
+    from raypai.train.trainer import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S, _controller_poll_interval
+
+    monkeypatch.delenv(CONTROLLER_POLL_ENV, raising=False)
+    with _controller_poll_interval():
+        assert float(os.environ[CONTROLLER_POLL_ENV]) == CONTROLLER_POLL_S < 2.0
+    assert CONTROLLER_POLL_ENV not in os.environ
+    monkeypatch.setenv(CONTROLLER_POLL_ENV, "5")
+    with _controller_poll_interval():
+        assert os.environ[CONTROLLER_POLL_ENV] == "5"
+    assert os.environ[CONTROLLER_POLL_ENV] == "5"
