@@ -352,3 +352,24 @@ def test_the_controller_poll_interval_is_set_for_the_run_only_and_a_user_value_w
     with _controller_poll_interval():
         assert os.environ[CONTROLLER_POLL_ENV] == "5"
     assert os.environ[CONTROLLER_POLL_ENV] == "5"
+
+
+def test_the_plan_sizes_the_model_on_the_meta_device_without_weights(tmp_path):
+    """The driver's plan needs the parameter count and shape only: `weights=False` builds the
+    architecture on the meta device (nothing allocated or initialized), with the same count as the
+    real model; an init_from folder must still hold weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raypai.train.model import build_model, param_count
+
+    cfg = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=64)
+    real, meta = build_model(cfg, 64), build_model(cfg, 64, weights=False)
+    assert {p.device.type for p in meta.parameters()} == {"meta"} and param_count(meta) == param_count(real)
+    src = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(src)
+    folder = build_model(ModelConfig(init_from=str(src)), 64, weights=False)
+    assert {p.device.type for p in folder.parameters()} == {"meta"} and folder.config.hidden_size == 32
+    (src / "model.safetensors").unlink()
+    with pytest.raises(TrainError, match="init_from=.*no weights there"):
+        build_model(ModelConfig(init_from=str(src)), 64, weights=False)
