@@ -102,6 +102,7 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
         del texts
     except (MemoryError, pa.ArrowMemoryError):
         held, load_fails = 0, True
+    free = _free_under_cap()
     try:
         placement = _task_placement() if cluster else None
     except Exception as e:  # noqa: BLE001 - the figures stand without it; say why it is missing
@@ -113,7 +114,23 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
             "driver_headroom_mb": headroom_mb, "driver_peak_rss_mb": round(end["VmHWM"] / 2**20),
             "driver_rss_at_connect_mb": round(base["VmRSS"] / 2**20),
             "kept_text_load_under_cap": "failed (cap binds)" if load_fails else f"succeeded ({held} bytes)",
+            "driver_free_under_cap_mb": round(free / 2**20),
             "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]}}
+
+
+def _free_under_cap(step: int = 8 << 20) -> int:
+    """Bytes this process can still allocate in `step` chunks (malloc'd, zero-filled) before the
+    cap refuses: the cap's real headroom, which includes space the allocators had reserved before
+    it was set."""
+    held = []
+    try:
+        while True:
+            held.append(bytearray(step))
+    except MemoryError:
+        pass
+    n = len(held) * step
+    del held
+    return n
 
 
 def _task_placement() -> dict:
@@ -153,10 +170,10 @@ class ProcSampler:
                 with p.oneshot():
                     rss = p.memory_info().rss
                     t = p.cpu_times()
-                    if pid not in self.kind:
+                    if self.kind.get(pid) not in ("driver", "worker"):  # a worker is named ray::... once started
                         cmd = " ".join(p.cmdline())
-                        self.kind[pid] = ("driver" if pid == self.roots[0].pid else "worker" if cmd.startswith("ray::")
-                                          else "ray-system")
+                        self.kind[pid] = ("driver" if pid == self.roots[0].pid else "worker"
+                                          if cmd.startswith("ray::") or "default_worker.py" in cmd else "ray-system")
                     self.limit[pid] = _data_limit(pid)
             except (psutil.Error, OSError):
                 continue
@@ -216,7 +233,8 @@ def measure(system: str, inp: Path, work: Path, headroom_mb: int, docs: int, mb:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     roots: list[int] = []
-    cdir = work / "cluster"
+    cdir = Path("/tmp/rp-scale-cluster")  # short: Ray's socket paths under it must fit AF_UNIX's 107 bytes
+    shutil.rmtree(cdir, ignore_errors=True)
     if system == "2node":
         env |= CLUSTER_ENV | {"RAYPAI_CLUSTER_DIR": str(cdir)}
         cluster("up", env)
