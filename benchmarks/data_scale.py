@@ -283,8 +283,8 @@ def main() -> None:
     for system in a.systems.split(","):
         try:
             print(json.dumps(measure(system, inp, a.work / "runs" / system, a.driver_headroom_mb, docs, mb)), flush=True)
-        except SystemExit as e:  # one system failing still leaves the others' figures
-            print(json.dumps({"bench": "data_scale", "config": system, "error": str(e)}), flush=True)
+        except (SystemExit, Exception) as e:  # one system failing still leaves the others' figures
+            print(json.dumps({"bench": "data_scale", "config": system, "error": f"{type(e).__name__}: {e}"}), flush=True)
 
 
 if __name__ == "__main__":
