@@ -15,7 +15,10 @@ pipeline, 2 workers) in a child process:
               raylets; on this machine both share its cores) on free non-default ports; the child
               joins it through RAY_ADDRESS
 Driver cap: once Ray is connected, the raypai child sets RLIMIT_DATA to its own VmData then plus
-`--driver-headroom-mb` (default 64): it may allocate that much more and no more. Ray's processes
+`--driver-headroom-mb` (default 256): it may allocate that much more and no more. (64 MB was too
+little for 2 CPUs: every new thread's 8 MB stack counts against RLIMIT_DATA, and Ray Data's
+executor could not start one.) `driver_free_under_cap_mb` is what the driver could still allocate
+after the clean. Ray's processes
 are not under it (started before, or by the raylet, which was; each process's `Max data size` is
 read and reported). After the clean it tries to load the kept text into memory, which must fail
 under the cap (`kept_text_load_under_cap`: the check that the cap binds).
@@ -264,7 +267,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=100_000)
     ap.add_argument("--systems", default="1node-1cpu,1node-2cpu,2node,datatrove")
     ap.add_argument("--work", type=Path, default=Path("/tmp/raypai-bench-scale"))
-    ap.add_argument("--driver-headroom-mb", type=int, default=64)
+    ap.add_argument("--driver-headroom-mb", type=int, default=256)
     ap.add_argument("--child", choices=["1node-1cpu", "1node-2cpu", "2node", "datatrove"])
     ap.add_argument("--input", type=Path)
     ap.add_argument("--cpus", type=int, default=2)
