@@ -1,5 +1,6 @@
-"""Batch functions that run inside the Ray Data workers of `clean`: the row ops, and the commit of
-each shard's results to the work folder (from the worker: the rows never travel to the driver)."""
+"""What runs inside `clean`'s filter tasks (one plain Ray task per ingested shard): the row ops,
+and the commit of each shard's results to the work folder (from the worker: the rows never travel
+to the driver)."""
 
 from __future__ import annotations
 
@@ -27,30 +28,26 @@ KEEP_COLUMNS = KEEP_SCHEMA.names
 DROP_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("op", pa.string()),
                          ("reason", pa.string()), ("stat", pa.float64()), ("cluster_id", pa.string()),
                          ("text", pa.string())])
-SUMMARY_SCHEMA = pa.schema([("shard", pa.string()), ("rows", pa.int64()), ("kept", pa.int64())])
 
 
-def clean_shards(batch: pa.Table, raw_dir: str, work: str, batch_size: int, n_ops: int, faults: Faults,
-                 **row_ops_kwargs):
-    """For each shard named in `batch["shard"]`: read it, run `apply_row_ops` over it `batch_size`
-    rows at a time, commit the results to `work` (`commit_shard`), and yield one summary row
-    (shard, rows, kept): counters, not rows, go back to the driver.
+def filter_shard(name: str, setup: dict) -> tuple[str, int, int]:
+    """Filter one ingested shard inside a Ray task: read it, run `apply_row_ops` over it
+    `setup["batch_size"]` rows at a time, commit the results to the work folder (`commit_shard`)
+    and return (shard, rows, kept): counters, not rows, go back to the driver.
 
-    One Ray Data task per shard, on purpose: reading in a separate `map_batches` gets fused with
-    the row ops, and the fused task then bundles input rows up to the row ops' batch size — all the
-    one-row shard names in one task, on one core, with nothing back until every shard is done.
-    (Listing shards with `from_items` and reading them here also starts in milliseconds, where
-    `read_parquet` spends seconds on metadata tasks before the first row.) A shard's results are
-    held until its commit: ingest keeps parts near `block_bytes`, so that is bounded."""
-    for name in batch.column("shard").to_pylist():
-        table = pq.read_table(f"{raw_dir}/{name}")
-        out = []
-        for start in range(0, table.num_rows, batch_size):
-            out.append(apply_row_ops(table.slice(start, batch_size), **row_ops_kwargs))
-            faults.in_worker(name, Path(work))  # raypai's own kill drill (raypai.data._faults)
-        rows = pa.concat_tables(out)
-        kept = commit_shard(Path(work), name, rows, n_ops, row_ops_kwargs["dedup_ops"])
-        yield pa.table([[name], [rows.num_rows], [kept]], schema=SUMMARY_SCHEMA)
+    `setup` (raw_dir, work, batch_size, n_ops, faults, ops, dedup_ops) is put in the object store
+    once by the driver and shared by every task. A shard's results are held until its commit:
+    ingest keeps parts near `block_bytes`, so that is bounded."""
+    work = Path(setup["work"])
+    table = pq.read_table(f"{setup['raw_dir']}/{name}")
+    out = []
+    for start in range(0, table.num_rows, setup["batch_size"]):
+        out.append(apply_row_ops(table.slice(start, setup["batch_size"]), ops=setup["ops"],
+                                 dedup_ops=setup["dedup_ops"]))
+        setup["faults"].in_worker(name, work)  # raypai's own kill drill (raypai.data._faults)
+    rows = pa.concat_tables(out)
+    kept = commit_shard(work, name, rows, setup["n_ops"], setup["dedup_ops"])
+    return name, rows.num_rows, kept
 
 
 def key_fields(dedup_ops) -> list[pa.Field]:

@@ -5,7 +5,7 @@ environment variable in the driver's process before calling `clean`:
 
     RAYPAI_DATA_FAULTS='{"sigkill_shard": "part-00003-00000.parquet", "sigkill_times": 1}'
 
-`clean` reads it once per call (`Faults.from_env`) and hands the `Faults` to its Ray Data tasks
+`clean` reads it once per call (`Faults.from_env`) and hands the `Faults` to its filter tasks
 (workers do not see the driver's environment).
 - `sigkill_shard`: the Ray worker process filtering this shard SIGKILLs itself after its first
   batch, before the shard is committed: a real process death, as the OOM killer or a lost node

@@ -3,7 +3,7 @@
     from raypai.data import clean
     manifest = clean("ingested/", "cleaned/", recipe="default", work_dir=".raypai/work/clean-x")
 
-1. Filter pass: one Ray Data task per ingested part (ingest cuts big files into parts of about
+1. Filter pass: one Ray task per ingested part (ingest cuts big files into parts of about
    `block_bytes`) runs the mappers and filters and computes the dedup keys and MinHash signatures
    (`raypai.data._execute`), then commits the part's kept and dropped rows to `work_dir` itself.
 2. Dedup: `raypai.data._dedup.run_dedup` over the committed parts, as Ray tasks per part and per
@@ -81,13 +81,10 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     if pending:
         # largest shards first, so the last task to start is a short one
         pending.sort(key=lambda p: -rows_of[p])
-        ds = ray.data.from_items([{"shard": p} for p in pending], override_num_blocks=len(pending))
-        ds = ds.map_batches(ex.clean_shards, batch_size=1, batch_format="pyarrow",  # one task per shard
-                            fn_kwargs={"raw_dir": str(raw_dir.absolute()), "work": str(work.absolute()),
-                                       "batch_size": batch_size, "n_ops": len(ops), "faults": faults,
-                                       "ops": row_ops, "dedup_ops": dedup_ops},
-                            max_retries=FILTER_RETRIES)
-        _run_filter_pass(ds, {p: rows_of[p] for p in pending}, progress)
+        setup = ray.put({"raw_dir": str(raw_dir.absolute()), "work": str(work.absolute()), "batch_size": batch_size,
+                         "n_ops": len(ops), "faults": faults, "ops": row_ops, "dedup_ops": dedup_ops})
+        task = ray.remote(num_cpus=1, max_retries=FILTER_RETRIES)(ex.filter_shard).options(name="raypai.clean.filter")
+        _run_filter_pass([task.remote(p, setup) for p in pending], {p: rows_of[p] for p in pending}, progress)
     # worker seconds per op of every shard's filtering (resumed shards: from the run that did them)
     seconds, tasks, per_node = np.zeros(len(ops)), set(), {}
     for p in parts:
@@ -119,20 +116,27 @@ def _prepare_work(work: Path, recipe_desc: list) -> None:
     marker.write_text(text)
 
 
-def _run_filter_pass(ds, expected: dict[str, int], progress) -> None:
-    """One Ray Data execution over all pending shards. Each task commits its shard to the work
-    folder itself and sends back one summary row; the driver counts them (one progress call per
-    shard) and checks every row came through."""
-    committed = 0
+def _run_filter_pass(refs: list, expected: dict[str, int], progress) -> None:
+    """Wait for the filter tasks, one progress call per shard as it finishes, checking each shard's
+    row count. Each task commits its shard to the work folder itself and returns (shard, rows, kept).
+
+    Plain Ray tasks, not Ray Data: one task per shard is all this pass needs (ingest already cut big
+    files into parts), and Ray Data would add its stats and autoscaling actors and import pandas in
+    every worker (about 0.8 GB of resident memory on a 2-CPU run, benchmarks/RESULTS.md)."""
+    committed, waiting = 0, list(refs)
     try:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            for shard, rows in zip(batch.column("shard").to_pylist(), batch.column("rows").to_pylist()):
-                if rows != expected[shard]:
-                    raise DataError(f"shard {shard}: {rows} rows came out of the filter pass, {expected[shard]} "
-                                    "went in; this is a raypai bug, report it")
-                committed += 1
-                progress(f"clean: filtered shards {committed}/{len(expected)}")
+        while waiting:
+            (ref,), waiting = ray.wait(waiting, num_returns=1)
+            shard, rows, _ = ray.get(ref)
+            if rows != expected[shard]:
+                raise DataError(f"shard {shard}: {rows} rows came out of the filter pass, {expected[shard]} "
+                                "went in; this is a raypai bug, report it")
+            committed += 1
+            progress(f"clean: filtered shards {committed}/{len(expected)}")
     except ray.exceptions.RayError as exc:
+        for ref in waiting:  # shards not committed stay pending for the next run
+            ray.cancel(ref)
+        ray.wait(waiting, num_returns=len(waiting), timeout=30)  # let cancelled tasks stop before the caller retries
         raise DataError(f"the filter pass failed after {committed}/{len(expected)} shards were committed "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                         "the committed shards stay in work_dir: run the same clean again to resume") from exc

@@ -201,7 +201,7 @@ def _digests(manifest):
 
 
 def _pending_order(root):
-    """The shards in the order clean hands them to Ray Data (largest first, then by name)."""
+    """The shards in the order clean submits their filter tasks (largest first, then by name)."""
     parts = json.loads((root / "ingested" / "manifest.json").read_text())["parts"]
     return [p["file"] for p in sorted((p for p in parts if p["rows"]), key=lambda p: -p["rows"])]
 
