@@ -15,9 +15,10 @@ pipeline, 2 workers) in a child process:
               raylets; on this machine both share its cores) on free non-default ports; the child
               joins it through RAY_ADDRESS
 Driver cap: once Ray is connected, the raypai child sets RLIMIT_DATA to its own VmData then plus
-`--driver-headroom-mb` (default 256): it may allocate that much more and no more. (64 MB was too
-little for 2 CPUs: every new thread's 8 MB stack counts against RLIMIT_DATA, and Ray Data's
-executor could not start one.) `driver_free_under_cap_mb` is what the driver could still allocate
+`--driver-headroom-mb` (default 64): it may allocate that much more and no more. (Every new
+thread's 8 MB stack counts against RLIMIT_DATA: when the filter pass ran on Ray Data, its
+executor could not start its threads under 64 MB and the default was 256; clean's plain tasks
+start none.) `driver_free_under_cap_mb` is what the driver could still allocate
 after the clean. Ray's processes
 are not under it (started before, or by the raylet, which was; each process's `Max data size` is
 read and reported). After the clean it tries to load the kept text into memory, which must fail
@@ -87,7 +88,6 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
         ensure_ray(Settings.load(), log_to_driver=False)
     else:
         ensure_ray(Settings.load(), local=True, num_cpus=cpus, dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
     base = _status()
     cap = base["VmData"] + headroom_mb * 2**20
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=100_000)
     ap.add_argument("--systems", default="1node-1cpu,1node-2cpu,2node,datatrove")
     ap.add_argument("--work", type=Path, default=Path("/tmp/raypai-bench-scale"))
-    ap.add_argument("--driver-headroom-mb", type=int, default=256)
+    ap.add_argument("--driver-headroom-mb", type=int, default=64)
     ap.add_argument("--child", choices=["1node-1cpu", "1node-2cpu", "2node", "datatrove"])
     ap.add_argument("--input", type=Path)
     ap.add_argument("--cpus", type=int, default=2)

@@ -45,7 +45,9 @@ def filter_shard(name: str, setup: dict) -> tuple[str, int, int]:
         out.append(apply_row_ops(table.slice(start, setup["batch_size"]), ops=setup["ops"],
                                  dedup_ops=setup["dedup_ops"]))
         setup["faults"].in_worker(name, work)  # raypai's own kill drill (raypai.data._faults)
-    rows = pa.concat_tables(out)
+    # a batch whose rows all fell before an annotating filter has null-typed annotation columns:
+    # promote them to the other batches' types
+    rows = pa.concat_tables(out, promote_options="permissive")
     kept = commit_shard(work, name, rows, setup["n_ops"], setup["dedup_ops"])
     return name, rows.num_rows, kept
 

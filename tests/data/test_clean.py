@@ -275,6 +275,28 @@ def test_cross_shard_duplicates_are_found(tmp_path, ray_local):
     assert m["rows"] == 6
 
 
+def test_a_batch_whose_rows_all_fall_before_an_annotating_filter_joins_its_shard(tmp_path, ray_local):
+    """A shard of several batches where one batch loses every row to an earlier filter: that
+    batch's annotation columns (the language filter's `lang`, `lang_score`) have no values, and the
+    shard's batches must still join into one table (they failed to: null vs string columns)."""
+    import random
+
+    from raypai.data.synth import prose
+
+    rng = random.Random(2)
+    rows = ["too short"] * 2 + [prose(rng, 12) for _ in range(4)]  # batch 1 of 2 rows: all dropped by word_count
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    ingest(raw, tmp_path / "ing")
+    m = clean(tmp_path / "ing", tmp_path / "out", recipe=["word_count", "language"], work_dir=tmp_path / "w",
+              batch_size=2)
+    assert m["accounting"]["dropped_by_op"]["word_count"] == 2
+    kept = [r for s in m["shards"] for r in pq.read_table(tmp_path / "out" / s["file"]).to_pylist()]
+    assert len(kept) + m["accounting"]["dropped_by_op"]["language"] == 4
+    assert all(r["lang"] == "en" and r["lang_score"] > 0 for r in kept), kept
+
+
 def test_no_rows_left_is_a_valid_empty_dataset(tmp_path, ray_local):
     """Every row rejected at ingest, or dropped by a filter: one empty shard with the schema, the
     invariant holds, and the empty parts go through the dedup pass (their key columns exist)."""
