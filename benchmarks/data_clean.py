@@ -115,7 +115,6 @@ def run_raypai(inp: Path, work: Path, minhash: bool, cpus: int, recipe: list | N
     t0 = time.perf_counter()
     # a Ray of this run's own (never RAY_ADDRESS or raypai's recorded head): `cpus` is what is compared
     ensure_ray(Settings.load(), local=True, num_cpus=cpus, dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
     t1 = time.perf_counter()
     ingest(inp, work / "ing")
     t_ingest = time.perf_counter() - t1

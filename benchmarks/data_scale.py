@@ -97,15 +97,18 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
     m = clean(work / "ing", work / "out", DEFAULT_RECIPE, work_dir=work / "w", progress=lambda *_: None)
     seconds = time.perf_counter() - t1
     end = _status()
-    # The cap must bind: holding the kept text in this process has to fail under it.
+    free = _free_under_cap()  # before the load below, whose failed allocations pyarrow may keep reserved
+    # The cap must bind: holding the kept text in this process has to fail under it. One thread, no
+    # pre-buffering: an allocation refused in one of pyarrow's pool threads aborts the process
+    # (seen at 1 CPU) instead of raising here.
     try:
-        texts = [pq.read_table(work / "out" / s["file"], columns=["text"]) for s in m["shards"]]
+        texts = [pq.read_table(work / "out" / s["file"], columns=["text"], use_threads=False, pre_buffer=False)
+                 for s in m["shards"]]
         held = sum(t.nbytes for t in texts)
         load_fails = False
         del texts
     except (MemoryError, pa.ArrowMemoryError):
         held, load_fails = 0, True
-    free = _free_under_cap()
     try:
         placement = _task_placement() if cluster else None
     except Exception as e:  # noqa: BLE001 - the figures stand without it; say why it is missing
