@@ -248,8 +248,12 @@ def test_a_single_large_file_is_filtered_by_several_tasks(tmp_path, ray_local):
     synth(tmp_path / "raw", docs=300, files=1, seed=3)
     m = ingest(tmp_path / "raw", tmp_path / "ing", IngestConfig(block_bytes=8 << 10))
     assert m["files"] == ["raw-000.jsonl"] and len(m["parts"]) >= 4, m["parts"]
+    calls = []
     out = clean(tmp_path / "ing", tmp_path / "out", recipe=["whitespace_normalize", "word_count"],
-                work_dir=tmp_path / "w")
+                work_dir=tmp_path / "w", progress=lambda *a: calls.append(a))
+    counts = [c for c in calls if len(c) == 3]  # one (rows done, rows in all, "rows") per shard, for the step's line
+    assert len(counts) == len(m["parts"]) and counts[-1] == (m["rows"], m["rows"], "rows"), calls
+    assert [c[0] for c in counts] == sorted(c[0] for c in counts) and counts[0][0] > 0
     markers = [json.loads(f.read_text()) for f in (tmp_path / "w" / "done").glob("*.json")]
     assert len(markers) == len(m["parts"]) and sum(x["rows"] for x in markers) == m["rows"]
     tasks = {x["task_id"] for x in markers}

@@ -65,7 +65,7 @@ def corpus(tmp_path_factory, ray_local):
             with open(root / "raw" / f"raw-{(c + k) % FILES:03d}.jsonl", "a") as f:
                 f.write(json.dumps({"text": text, "chain": f"{c}.{k}"}) + "\n")
     ingest(root / "raw", root / "ingested")
-    clean(root / "ingested", root / "clean", work_dir=root / "work", progress=lambda m: None)
+    clean(root / "ingested", root / "clean", work_dir=root / "work", progress=lambda *a: None)
     parts = [p["file"] for p in json.loads((root / "ingested" / "manifest.json").read_text())["parts"]]
     ops = [op for op in load_recipe("default") if is_dedup(op)]
     stats = run_dedup(root / "work", parts, ops, buckets=BUCKETS, progress=lambda m: None)
