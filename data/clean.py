@@ -139,6 +139,7 @@ def _run_filter_pass(refs: list, expected: dict[str, int], progress, done_rows: 
     every worker (0.4-0.7 GB of summed resident memory on a 2-CPU run, benchmarks/RESULTS.md)."""
     committed, waiting = 0, list(refs)
     total = done_rows + sum(expected.values())
+    progress(done_rows, total, "rows")  # the start: the step's line measures its rate from here
     try:
         while waiting:
             (ref,), waiting = ray.wait(waiting, num_returns=1)

@@ -151,6 +151,20 @@ def test_progress_lines_parse_back_and_other_lines_do_not(capsys):
     assert parse_progress_line("step 1/10 loss 3.2") is None
 
 
+def test_a_note_does_not_hold_back_the_first_count_after_it(capsys):
+    """A step that says what it starts, then reports its starting count at once (clean: "8 to
+    filter", then 0/38,820 rows): the count is the start the line's rate is measured from, so it
+    must not be dropped as too soon after the note (it was, and the rate came out ~20x too high)."""
+    from raypai.progress import StepProgress
+
+    report = StepProgress("clean", min_interval_s=60)
+    report("8 shards to filter")
+    report(0, 100, "rows")
+    report(5, 100, "rows")  # within min_interval_s of the last count: dropped
+    lines = capsys.readouterr().out.splitlines()
+    assert [(u.done, u.note) for u in map(parse_progress_line, lines)] == [(None, "8 shards to filter"), (0, None)]
+
+
 def test_worker_logs_route_lines_to_the_file_and_progress_to_events(tmp_path):
     logs = WorkerLogs(tmp_path / "run.log", "p")
     logs._file = open(logs.path, "a")  # as __enter__ does, without Ray

@@ -40,11 +40,12 @@ class Update:
 @dataclass
 class StepProgress:
     """A step's progress reporter; picklable, so Ray Train workers and actors can report for it.
-    Prints at most one line per `min_interval_s` (always the first, the last and notes)."""
+    Prints at most one count per `min_interval_s` (always the first, the last and notes; a note
+    does not count against the interval, so a count right after it still goes)."""
 
     node: str
     min_interval_s: float = 1.0
-    _last: float = 0.0
+    _last: float = 0.0  # when the last count was printed
 
     def __call__(self, done: float | str | None = None, total: float | None = None, unit: str = "steps", *,
                  note: str | None = None) -> None:
@@ -54,7 +55,8 @@ class StepProgress:
         final = done is not None and total is not None and done >= total
         if note is None and not final and self._last and now - self._last < self.min_interval_s:
             return
-        self._last = now
+        if done is not None:
+            self._last = now
         print(MAGIC + json.dumps(asdict(Update(self.node, done, total, unit, note, now))), flush=True)
 
 

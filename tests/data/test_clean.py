@@ -251,9 +251,9 @@ def test_a_single_large_file_is_filtered_by_several_tasks(tmp_path, ray_local):
     calls = []
     out = clean(tmp_path / "ing", tmp_path / "out", recipe=["whitespace_normalize", "word_count"],
                 work_dir=tmp_path / "w", progress=lambda *a: calls.append(a))
-    counts = [c for c in calls if len(c) == 3]  # one (rows done, rows in all, "rows") per shard, for the step's line
-    assert len(counts) == len(m["parts"]) and counts[-1] == (m["rows"], m["rows"], "rows"), calls
-    assert [c[0] for c in counts] == sorted(c[0] for c in counts) and counts[0][0] > 0
+    counts = [c for c in calls if len(c) == 3]  # (rows done, rows in all, "rows"): at the start, then per shard
+    assert len(counts) == len(m["parts"]) + 1 and counts[-1] == (m["rows"], m["rows"], "rows"), calls
+    assert [c[0] for c in counts] == sorted(c[0] for c in counts) and counts[0][0] == 0 < counts[1][0]
     markers = [json.loads(f.read_text()) for f in (tmp_path / "w" / "done").glob("*.json")]
     assert len(markers) == len(m["parts"]) and sum(x["rows"] for x in markers) == m["rows"]
     tasks = {x["task_id"] for x in markers}
