@@ -39,9 +39,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-# End-of-turn tokens of widely used templates (ChatML, Llama 3, Phi-3/raypai, Gemma, Llama 4, Mistral).
+# End-of-turn tokens of widely used templates (ChatML, Llama 3, Phi-3 and raypai: END_OF_TURN, Gemma, Llama 4,
+# Mistral).
 # One is a stop token when the tokenizer knows it as a single token AND its chat template writes it.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eot|>", "</s>", "<|endoftext|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", END_OF_TURN, "<end_of_turn>", "<|eot|>", "</s>", "<|endoftext|>")
 
 # Files of an HF folder that describe the tokenizer and generation (copied with exported weights).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
