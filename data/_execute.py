@@ -15,7 +15,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from raypai.data._faults import Faults
 from raypai.data.ops.base import AnnotatingFilter, Filter, Mapper
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 

@@ -41,8 +41,8 @@ KEEP_SCHEMA, KEEP_COLUMNS, DROP_SCHEMA = ex.KEEP_SCHEMA, ex.KEEP_COLUMNS, ex.DRO
 # Ray retries a filter task whose worker process died (OOM kill, lost node) this many times; a
 # shard's files are rewritten whole by the retry and committed by its done marker, so a retry is safe.
 FILTER_RETRIES = 2
-# Filter and write tasks go round the nodes (Ray's default keeps tasks on the driver's node while it
-# keeps up, which short tasks let it do); on one node this changes nothing.
+# Filter and write tasks ask for Ray's SPREAD strategy: the default keeps tasks on the driver's node
+# while it keeps up, which short tasks let it do (as raypai.data._dedup's units); one node: no change.
 SPREAD = "SPREAD"
 
 
