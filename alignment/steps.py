@@ -53,7 +53,9 @@ def _lineage(**arts) -> dict:
 
 class _StepLogger:
     """The step's MLflow logger that also moves the run display's summary line (`ctx.progress`)
-    whenever the driver loop logs a step's metrics."""
+    whenever the driver loop logs a step's metrics. The loops log their summary (no step) once,
+    after the last step: the line then says total/total, not the last step logged (e.g. 580/600
+    with metrics every 20 steps)."""
 
     def __init__(self, ctx: StepContext, total: int):
         self.logger, self.report, self.total = ctx.logger, ctx.progress_reporter(), total
@@ -61,8 +63,7 @@ class _StepLogger:
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=step)
-        if step is not None:
-            self.report(step, self.total, "steps")
+        self.report(self.total if step is None else step, self.total, "steps")
 
 
 @step(cpus=0.25)

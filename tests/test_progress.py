@@ -165,6 +165,25 @@ def test_a_note_does_not_hold_back_the_first_count_after_it(capsys):
     assert [(u.done, u.note) for u in map(parse_progress_line, lines)] == [(None, "8 shards to filter"), (0, None)]
 
 
+def test_an_alignment_loop_that_finished_ends_its_line_at_its_total(capsys):
+    """The alignment loops log metrics every few steps and their summary once, after the last step:
+    the step's line must end at total/total (it ended at the last logged step, 580/600 ~3s left)."""
+    from raypai.alignment.steps import _StepLogger
+    from raypai.progress import StepProgress
+
+    class Ctx:  # what _StepLogger reads of a StepContext: no MLflow logger here, the step's reporter
+        logger = None
+
+        def progress_reporter(self):
+            return StepProgress("sft", min_interval_s=0)
+
+    log = _StepLogger(Ctx(), total=600)
+    log.log_metrics({"sft/loss": 1.0}, step=580)
+    log.log_metrics({"eval_loss": 0.5})  # the summary, after the loop
+    lines = capsys.readouterr().out.splitlines()
+    assert [(u.done, u.total) for u in map(parse_progress_line, lines)] == [(580, 600), (600, 600)]
+
+
 def test_worker_logs_route_lines_to_the_file_and_progress_to_events(tmp_path):
     logs = WorkerLogs(tmp_path / "run.log", "p")
     logs._file = open(logs.path, "a")  # as __enter__ does, without Ray

@@ -75,7 +75,7 @@ class Progress:
             note = " [dim](cache hit)[/]" if r.state == "cached" else ""
             err = f"\n{' ' * 12}[red]{escape(r.error)}[/]" if r.error and r.state == "failed" else ""
             self.console.print(f"{el}   [{style}]{'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} "
-                               f"{r.state}[/] {r.seconds:.1f}s{note}{done}{err}")
+                               f"{r.state}[/] {r.seconds:.1f}s{note}{done}{err}", soft_wrap=True)
         elif kind == "run_finished" and self.live is not None:
             self.live.stop()
             self.live = None
