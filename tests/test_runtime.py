@@ -287,6 +287,30 @@ def test_ui_takes_a_free_port_when_5000_is_taken_and_records_it(tmp_path):
             ui.wait(30)
 
 
+def test_a_local_ray_without_dashboard_does_not_name_another_rays_dashboard(tmp_path):
+    """Ray records an API server address even with no dashboard (127.0.0.1:8265 by default), and its
+    state API — which Ray Train's placement-group cleaner asks whether the run's controller lives —
+    goes there. With another Ray's dashboard on 8265 that answer is "no such actor", and the cleaner
+    removed a running pretrain's workers (seen in a fresh-clone `make test`). The address a local
+    Ray records must be no other process's: with 8265 held, not 8265 and nothing listening."""
+    import ray
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from raypai.settings import Settings
+
+    settings = Settings.load({"RAYPAI_HOME": str(tmp_path)})
+    with hold(runtime.DEFAULT_PORTS["dashboard"]):
+        try:
+            runtime.ensure_ray(settings, local=True, num_cpus=1, dashboard=False, log_to_driver=False)
+            api = _internal_kv_get(ray_constants.DASHBOARD_ADDRESS,
+                                   namespace=ray_constants.KV_NAMESPACE_DASHBOARD).decode()
+            port = int(api.rsplit(":", 1)[1])
+            assert port != runtime.DEFAULT_PORTS["dashboard"] and runtime.port_is_free(port), api
+        finally:
+            ray.shutdown()
+
+
 def test_ensure_ray_local_starts_its_own_ray_with_the_options_asked(tmp_path):
     """`local=True` (the benchmarks') ignores RAY_ADDRESS and starts a Ray in this process with the
     CPU count and object store asked for."""

@@ -397,8 +397,13 @@ def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         dash = settings.dashboard if dashboard is None else dashboard
         # Logical CPUs > cores: heavy steps start their own Ray workloads from inside their task
         # (Train workers + controller, role actors), which must schedule beside the step's task.
+        # A port of its own for the dashboard, and one even without it: Ray records 127.0.0.1:8265 as
+        # the API server either way, and its state API (which Ray Train's placement-group cleaner asks
+        # whether the run's controller lives) would ask another Ray's dashboard there, hear "no such
+        # actor" and remove a running pretrain's workers.
         kwargs.update(num_cpus=num_cpus or settings.ray_num_cpus or max(8, os.cpu_count() or 1),
-                      include_dashboard=dash)
+                      include_dashboard=dash,
+                      dashboard_port=pick_port(DEFAULT_PORTS["dashboard"]) if dash else pick_port())
         if object_store_memory:
             kwargs["object_store_memory"] = object_store_memory
         _set_auth_mode(os.environ.get("RAY_AUTH_MODE", "token"))  # Ray's default, without its warning

@@ -112,8 +112,11 @@ def ray_train(s3):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_GCS_SERVER_PORT", str(port))
         mp.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        # dashboard_port: Ray records an API server address even without a dashboard (8265 by default),
+        # and the cleaner asks the state API there; another Ray's dashboard on 8265 (an alignment test
+        # running beside this file) answered "no such actor" and the cleaner removed the run's workers
         ray.init(address="local", num_cpus=6, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-                 log_to_driver=False)
+                 dashboard_port=_free_port(), log_to_driver=False)
         assert ray.get_runtime_context().gcs_address.endswith(f":{port}")
         yield
         ray.shutdown()
