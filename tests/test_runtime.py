@@ -309,6 +309,16 @@ def test_a_local_ray_without_dashboard_does_not_name_another_rays_dashboard(tmp_
             assert port != runtime.DEFAULT_PORTS["dashboard"] and runtime.port_is_free(port), api
         finally:
             ray.shutdown()
+    # raypai's head without a dashboard (`raypai ray start` with RAYPAI_DASHBOARD=0): with 8265 free
+    # now, it must still not record 8265, which another Ray's dashboard may take later
+    try:
+        runtime.start_head(settings, num_cpus=1, dashboard=False)
+        runtime.ensure_ray(settings, log_to_driver=False)  # joins that head
+        api = _internal_kv_get(ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD).decode()
+        assert int(api.rsplit(":", 1)[1]) != runtime.DEFAULT_PORTS["dashboard"], api
+    finally:
+        ray.shutdown()
+        runtime.stop_head(settings)
 
 
 def test_ensure_ray_local_starts_its_own_ray_with_the_options_asked(tmp_path):

@@ -232,7 +232,10 @@ def start_head(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         for _attempt in range(3):  # a port taken between choosing and binding: choose again
             ports: dict[str, int] = {}
             for name in ("gcs", "dashboard", "client", "dashboard_agent", "serve"):
-                ports[name] = pick_port(DEFAULT_PORTS[name], avoid=set(ports.values()))
+                # no dashboard: still a port of its own, never 8265 (see ensure_ray: Ray records it as
+                # the API server address, which another Ray's dashboard may take later)
+                preferred = None if name == "dashboard" and not dashboard else DEFAULT_PORTS[name]
+                ports[name] = pick_port(preferred, avoid=set(ports.values()))
             if settings.serve_port:
                 ports["serve"] = settings.serve_port
             head, last_error = _launch(settings, ports, cpus, dashboard, timeout_s)
