@@ -229,9 +229,13 @@ class _Runner:
         return self.counters[stage]
 
 
-# SPREAD: units are short, and Ray's default policy keeps short tasks on the submitting node while it
-# keeps up (a two-node run put 131 of 136 units on the driver's node); spread, they use every node.
-@ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
+# Dedup units (and clean's filter and write tasks) ask for Ray's SPREAD strategy: the default keeps
+# short tasks on the submitting node while it keeps up (a two-node run put 131 of 136 units on the
+# driver's node); spread, they use every node. On one node it changes nothing.
+SPREAD = "SPREAD"
+
+
+@ray.remote(num_cpus=1, scheduling_strategy=SPREAD)
 def _unit_task(fn, stage: str, unit: str, kwargs: dict, faults: DedupFaults, label: str) -> None:
     t0 = time.perf_counter()
     out, counters = fn(unit=unit, **kwargs)

@@ -30,7 +30,7 @@ import ray
 
 from raypai.data import _execute as ex
 from raypai.data import _write as wr
-from raypai.data._dedup import run_dedup
+from raypai.data._dedup import SPREAD, run_dedup
 from raypai.data._faults import Faults
 from raypai.data.ops.dedup import ExactDedup
 from raypai.data.recipe import describe, is_dedup, load_recipe
@@ -41,9 +41,6 @@ KEEP_SCHEMA, KEEP_COLUMNS, DROP_SCHEMA = ex.KEEP_SCHEMA, ex.KEEP_COLUMNS, ex.DRO
 # Ray retries a filter task whose worker process died (OOM kill, lost node) this many times; a
 # shard's files are rewritten whole by the retry and committed by its done marker, so a retry is safe.
 FILTER_RETRIES = 2
-# Filter and write tasks ask for Ray's SPREAD strategy: the default keeps tasks on the driver's node
-# while it keeps up, which short tasks let it do (as raypai.data._dedup's units); one node: no change.
-SPREAD = "SPREAD"
 
 
 def _split_recipe(ops: list) -> tuple[list, list]:

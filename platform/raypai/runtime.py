@@ -82,6 +82,14 @@ def pick_port(preferred: int | None = None, *, avoid: set[int] | frozenset[int] 
     raise RuntimeStartError("no free TCP port found after 50 tries; close some servers and retry")
 
 
+def _preferred_dashboard_port(dashboard: bool) -> int | None:
+    """8265 for a dashboard, when free; without one, no preference (any free port, never 8265). Ray
+    records a dashboard port as its API server address even with no dashboard, and its state API
+    (which Ray Train's placement-group cleaner asks whether a run's controller lives) would otherwise
+    reach another Ray's dashboard on 8265, hear "no such actor" and remove a running pretrain's workers."""
+    return DEFAULT_PORTS["dashboard"] if dashboard else None
+
+
 # ---- recorded state --------------------------------------------------------------------------------
 
 
@@ -232,9 +240,7 @@ def start_head(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         for _attempt in range(3):  # a port taken between choosing and binding: choose again
             ports: dict[str, int] = {}
             for name in ("gcs", "dashboard", "client", "dashboard_agent", "serve"):
-                # no dashboard: still a port of its own, never 8265 (see ensure_ray: Ray records it as
-                # the API server address, which another Ray's dashboard may take later)
-                preferred = None if name == "dashboard" and not dashboard else DEFAULT_PORTS[name]
+                preferred = _preferred_dashboard_port(dashboard) if name == "dashboard" else DEFAULT_PORTS[name]
                 ports[name] = pick_port(preferred, avoid=set(ports.values()))
             if settings.serve_port:
                 ports["serve"] = settings.serve_port
@@ -400,13 +406,8 @@ def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         dash = settings.dashboard if dashboard is None else dashboard
         # Logical CPUs > cores: heavy steps start their own Ray workloads from inside their task
         # (Train workers + controller, role actors), which must schedule beside the step's task.
-        # A port of its own for the dashboard, and one even without it: Ray records 127.0.0.1:8265 as
-        # the API server either way, and its state API (which Ray Train's placement-group cleaner asks
-        # whether the run's controller lives) would ask another Ray's dashboard there, hear "no such
-        # actor" and remove a running pretrain's workers.
         kwargs.update(num_cpus=num_cpus or settings.ray_num_cpus or max(8, os.cpu_count() or 1),
-                      include_dashboard=dash,
-                      dashboard_port=pick_port(DEFAULT_PORTS["dashboard"]) if dash else pick_port())
+                      include_dashboard=dash, dashboard_port=pick_port(_preferred_dashboard_port(dash)))
         if object_store_memory:
             kwargs["object_store_memory"] = object_store_memory
         _set_auth_mode(os.environ.get("RAY_AUTH_MODE", "token"))  # Ray's default, without its warning
