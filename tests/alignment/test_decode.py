@@ -82,6 +82,19 @@ def test_sampling_follows_temperature_and_top_p():
     assert sample_tokens(logits[:3], 0.0, 1.0).tolist() == [0, 0, 0]
 
 
+def test_the_sampler_never_draws_a_token_of_probability_zero_and_follows_the_rest():
+    from raypai.alignment._decode import _inverse_cdf
+
+    # zeros first, inside and last (top-p leaves trailing zeros; a masked vocabulary leaves any)
+    w = torch.tensor([[0.0, 0.2, 0.0, 0.0, 0.6, 0.2, 0.0]]).repeat(30000, 1)
+    freq = torch.bincount(_inverse_cdf(w, torch.Generator().manual_seed(1)), minlength=7) / 30000
+    assert freq[[0, 2, 3, 6]].sum() == 0
+    assert torch.allclose(freq[[1, 4, 5]], torch.tensor([0.2, 0.6, 0.2]), atol=0.012)
+    # unnormalised weights (the nucleus before renormalising) give the same distribution
+    freq = torch.bincount(_inverse_cdf(w * 0.37, torch.Generator().manual_seed(2)), minlength=7) / 30000
+    assert torch.allclose(freq[[1, 4, 5]], torch.tensor([0.2, 0.6, 0.2]), atol=0.012)
+
+
 def test_both_rollout_engines_give_the_same_greedy_completions_and_log_probs(tmp_path):
     """The Rollout role (in-process here) with raypai's loop and with transformers' generate, on a
     Qwen2 model with a ChatML template and chat prompts: same greedy completions, same behaviour

@@ -105,7 +105,7 @@ def test_grpo_with_a_reward_by_import_path_raises_held_out_reward(family, user_f
     train = load(user_files[f"prompts_{tag}"], "prompt")
     held = load(user_files[f"prompts_{tag}_held"], "prompt")
     g = run_grpo(family["sft"], str(family["dir"] / "grpo"), train, held,
-                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, max_new_tokens=4, eval_every=100),
+                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=1e-3, max_new_tokens=4, eval_every=100),
                  rewards=["fam_rewards:exact_answer"], run_name=f"fam-grpo-{family['name']}")
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     family["grpo"] = str(family["dir"] / "grpo")
