@@ -84,7 +84,9 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     place = Placement(run_name, specs, colocate=(tuple(specs),))
     threads = max(1, round(sum(r.cpus for r in specs.values())))
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads)
+        # online: sampling and updates take turns, so the replica reads the trainer's own parameters
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads,
+                               live_weights=cfg.online)
         [reference] = place.place("reference", Reference, model_dir, threads=threads)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)

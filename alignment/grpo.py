@@ -70,8 +70,10 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     shared = max(1, min(round(sum(r.cpus * r.replicas for r in specs.values())), os.cpu_count() or 1)) if colocate else 1
     place = Placement(run_name, specs, colocate=colocate)
     try:
+        # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
+        # own parameters (a sync is a version check); async: they sample during updates, so they copy
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               threads=cfg.train_threads or shared)
+                               threads=cfg.train_threads or shared, live_weights=not cfg.async_rollout)
         rollouts = place.place("rollout", Rollout, model_dir,
                                threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
                                engine=cfg.rollout_engine,

@@ -53,7 +53,8 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
                                  "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
                                  "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
+        # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, live_weights=True)
         [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed)
         rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples

@@ -10,9 +10,17 @@ Two paths, chosen per replica:
   host-memory form (CPU roles, or GPUs through a host copy).
 - **object store** otherwise: one `state_dict` copy shared by the replicas on other nodes.
 
+- **live shared parameters** (synchronous loops: the roles take turns, so nobody reads while the
+  trainer writes): the trainer's parameters themselves live in that buffer (ZeRO stage 0, the
+  default: DeepSpeed then updates them in place), and a same-node replica binds its own parameters
+  to the same pages. A sync is then the version check alone: the trainer stamps its update count in
+  the header after each optimizer step, and the replica refuses to sample unless the header holds
+  the version it was told to expect. No copy on either side.
+
 Either way a replica loads the new weights after the work already submitted to it and before
 anything submitted later (an actor runs one caller's tasks in submission order), and
-`sync_seconds` / `sync_bytes` are measured.
+`sync_seconds` / `sync_bytes` are measured (`sync_bytes`: the size of the weights handed over,
+copied or, live, shared).
 """
 
 from __future__ import annotations
@@ -71,6 +79,41 @@ class SharedWeights:
         for (name, offset, nbytes), t in zip(self.entries, state.values()):
             yield t, self.buf[offset:offset + nbytes].view(t.dtype).view(t.shape)
 
+    def bind(self, params: dict, *, copy: bool) -> None:
+        """Point every tensor of `params` at its slice of the buffer (after copying its values
+        there when `copy`): the tensors then live in the shared pages, and in-place updates of them
+        (an optimizer step) are what every process that bound the same buffer reads."""
+        import torch
+
+        with torch.no_grad():
+            for t, view in self._views(params):
+                if copy:
+                    view.copy_(t.detach())
+                t.data = view
+
+    def stamp(self, version: int) -> None:
+        """The version the buffer now holds (−1: being written, no reader may take it)."""
+        self.head[1] = self.digest
+        self.head[0] = version
+
+    def current(self) -> int:
+        """The version the buffer holds; raises while it is being written (version −1)."""
+        found = int(self.head[0])
+        if found < 0:
+            raise RuntimeError(f"shared weights {self.path} are being written by the trainer: a replica bound to "
+                               "them must not sample during an update (live parameters are for synchronous loops)")
+        return found
+
+    def check(self, version: int) -> None:
+        """Raise unless the buffer holds `version` of this layout (stale or foreign weights are never used)."""
+        found, digest = int(self.head[0]), int(self.head[1])
+        if digest != self.digest:
+            raise RuntimeError(f"shared weights {self.path} have another parameter layout: trainer and rollout "
+                               "models differ")
+        if found != version:
+            raise RuntimeError(f"shared weights {self.path} hold version {found}, expected {version}: "
+                               "refusing stale weights")
+
     def write(self, state: dict, version: int) -> int:
         """Copy `state` (the trainer's tensors, any device) into the buffer, then stamp the version."""
         self.head[0] = -1  # being written: no version a reader expects
@@ -85,13 +128,7 @@ class SharedWeights:
         `version` of the same layout; a mismatch raises (stale or foreign weights are never used)."""
         import torch
 
-        found, digest = int(self.head[0]), int(self.head[1])
-        if digest != self.digest:
-            raise RuntimeError(f"shared weights {self.path} have another parameter layout: trainer and rollout "
-                               "models differ")
-        if found != version:
-            raise RuntimeError(f"shared weights {self.path} hold version {found}, expected {version}: "
-                               "refusing stale weights")
+        self.check(version)
         with torch.no_grad():
             for t, view in self._views(state):
                 t.copy_(view)
@@ -117,7 +154,7 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
     away = [r for r in rollouts if r not in here]
     loads = []
     if here:
-        written = trainer.write_shared.remote()  # -> (path, version); the replicas' loads wait for it
+        written = trainer.write_shared.remote()  # -> (path, version, live); the replicas' loads wait for it
         loads += [r.load_shared.remote(written) for r in here]
         _FIRST_ROUND.setdefault(trainer._actor_id.hex(), list(loads))
     if away:

@@ -1,8 +1,8 @@
 """Alignment throughput: raypai (policy, rollout, reference, reward as Ray actors) vs TRL's
 single-process trainers, same model, prompts, lengths and CPU, in one run.
 
-    .venv/bin/python benchmarks/align_grpo.py                    # ≈ 10 min on 2 cores; one JSON line per result
-    .venv/bin/python benchmarks/align_grpo.py --steps 3 --batches 1x8   # smoke run
+    .venv/bin/python benchmarks/align_grpo.py                    # ≈ 10 min on 2 cores; one JSON line per run, then summaries
+    .venv/bin/python benchmarks/align_grpo.py --steps 3 --batches 1x8 --rounds 1   # smoke run
     .venv/bin/python benchmarks/align_grpo.py --only dpo
 
 GRPO workload (issue #14): a random-init Llama (vocab 512, hidden 128, 4 layers: 0.79 M parameters)
@@ -14,8 +14,9 @@ steps 2..20 (step 1 is warm-up on both sides). The reward is the exact-answer ru
   the working role gets every thread, see docs/alignment.md), with R colocated rollout replicas
   splitting each batch (`--sync-rollout-replicas`, default 1 and 2);
 - `raypai_grpo_async`: the next batch is generated while this one trains (one step off-policy);
-- `trl_grpo`: TRL `GRPOTrainer`, fp32, no gradient checkpointing, torch's default threads (its
-  fastest CPU setting), same stop tokens.
+- `trl_grpo_{N}t`: TRL `GRPOTrainer`, fp32, no gradient checkpointing, same stop tokens, with N
+  torch threads (`--trl-threads`, default 1 and 2: on small models one thread can be TRL's fastest
+  setting; the baseline is the best of them).
 Per-phase split for both: raypai's rollout/reward/train/sync seconds per step, TRL's
 generate-and-score vs the rest of its step.
 
@@ -97,6 +98,18 @@ def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_
     return row
 
 
+def with_threads(n: int, fn):
+    """fn() with torch using n threads in this process (TRL runs in the driver), then the old count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_trl_grpo(model_dir: str, out: Path, args, prompts: int, group: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -141,7 +154,7 @@ def run_trl_grpo(model_dir: str, out: Path, args, prompts: int, group: int) -> d
     seconds = stamps[-1] - stamps[0]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     gen = sum(Timed.gen_seconds[1:]) / steady
-    return {"result": f"trl_grpo_{prompts}x{group}", "samples_per_s": steady * prompts * group / seconds,
+    return {"result": f"trl_grpo_{prompts}x{group}_{_threads()}t", "samples_per_s": steady * prompts * group / seconds,
             "step_seconds": seconds / steady, "response_length": sum(lengths) / len(lengths),
             "time_generate_and_score": gen, "time_rest": seconds / steady - gen, "torch_threads": _threads()}
 
@@ -195,9 +208,45 @@ def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
     t0 = time.perf_counter()
     DPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()]).train()
     steady = len(stamps) - 1
-    return {"result": "trl_dpo", "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
+    return {"result": f"trl_dpo_{_threads()}t", "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
             "step_seconds": (stamps[-1] - stamps[0]) / steady, "wall_s_incl_startup": time.perf_counter() - t0,
             "torch_threads": _threads()}
+
+
+TARGETS = {"sync": 1.5, "async": 2.0, "dpo": 1.5}  # issue #14: raypai over TRL's best, at both batch sizes
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per configuration the median rate over the rounds; per batch size raypai's best synchronous
+    and its async configuration against TRL's best thread count, and the DPO ratio."""
+    import statistics
+
+    med: dict[str, float] = {}
+    for name in dict.fromkeys(r["result"] for r in rows):
+        vals = [r.get("samples_per_s", r.get("pairs_per_s")) for r in rows if r["result"] == name]
+        med[name] = statistics.median(vals)
+    out = []
+    for batch in dict.fromkeys(f"{r['prompts_per_step']}x{r['group']}" for r in rows if "group" in r):
+        trl = {k: v for k, v in med.items() if k.startswith(f"trl_grpo_{batch}_")}
+        sync = {k: v for k, v in med.items() if k.startswith("raypai_grpo_sync") and k.endswith(f"_{batch}")}
+        if not trl or not sync:
+            continue
+        base, best_sync = max(trl, key=trl.get), max(sync, key=sync.get)
+        row = {"result": f"summary_grpo_{batch}", "rounds": len([r for r in rows if r["result"] == base]),
+               "trl_best": base, "trl_samples_per_s": trl[base], "raypai_sync_best": best_sync,
+               "sync_samples_per_s": sync[best_sync], "sync_vs_trl": sync[best_sync] / trl[base]}
+        if f"raypai_grpo_async_{batch}" in med:
+            row.update(async_samples_per_s=med[f"raypai_grpo_async_{batch}"],
+                       async_vs_trl=med[f"raypai_grpo_async_{batch}"] / trl[base])
+        row.update(sync_target=TARGETS["sync"], async_target=TARGETS["async"])
+        out.append(row)
+    trl_dpo = {k: v for k, v in med.items() if k.startswith("trl_dpo_")}
+    if trl_dpo and "raypai_dpo" in med:
+        base = max(trl_dpo, key=trl_dpo.get)
+        out.append({"result": "summary_dpo", "trl_best": base, "trl_pairs_per_s": trl_dpo[base],
+                    "raypai_pairs_per_s": med["raypai_dpo"], "dpo_vs_trl": med["raypai_dpo"] / trl_dpo[base],
+                    "dpo_target": TARGETS["dpo"]})
+    return out
 
 
 def main() -> None:
@@ -216,6 +265,10 @@ def main() -> None:
                     help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
                          "replicas split the batch and the cores)")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
+    ap.add_argument("--rounds", type=int, default=3, help="every configuration this many times, interleaved; "
+                                                          "the summary lines take medians")
+    ap.add_argument("--trl-threads", default="1,2", help="torch threads of the TRL runs, comma-separated: one run "
+                                                         "each (the baseline is TRL's best of them)")
     args = ap.parse_args()
 
     import ray
@@ -230,22 +283,39 @@ def main() -> None:
     from raypai.settings import Settings
 
     ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        emit(row)
+
     try:
-        if args.only in (None, "grpo"):
-            for batch in args.batches.split(","):
-                prompts, group = map(int, batch.split("x"))
-                runs = [lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
-                        for r in args.sync_rollout_replicas.split(",")]
-                runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
+        # rounds: every configuration once per round, so a slow spell of the shared machine hits all
+        # of them; the summary takes each configuration's median over the rounds
+        for rnd in range(1, args.rounds + 1):
+            if args.only in (None, "grpo"):
+                for batch in args.batches.split(","):
+                    prompts, group = map(int, batch.split("x"))
+                    runs = [lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
+                            for r in args.sync_rollout_replicas.split(",")]
+                    runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
+                    if not args.no_trl:  # TRL at each thread count: its best is the baseline
+                        runs += [lambda n=int(n): with_threads(n, lambda: run_trl_grpo(model, out, args, prompts, group))
+                                 for n in args.trl_threads.split(",")]
+                    for fn in runs:
+                        record({**fn(), **common, "round": rnd, "prompts_per_step": prompts, "group": group,
+                                "train_threads": args.train_threads, "rollout_threads": args.rollout_threads,
+                                "load_avg_1m": os.getloadavg()[0]})
+            if args.only in (None, "dpo"):
+                runs = [lambda: run_raypai_dpo(model, out, args)]
                 if not args.no_trl:
-                    runs.append(lambda: run_trl_grpo(model, out, args, prompts, group))
+                    runs += [lambda n=int(n): with_threads(n, lambda: run_trl_dpo(model, out, args))
+                             for n in args.trl_threads.split(",")]
                 for fn in runs:
-                    emit({**fn(), **common, "prompts_per_step": prompts, "group": group,
-                          "train_threads": args.train_threads, "rollout_threads": args.rollout_threads,
-                          "load_avg_1m": os.getloadavg()[0]})
-        if args.only in (None, "dpo"):
-            for fn in (lambda: run_raypai_dpo(model, out, args), lambda: run_trl_dpo(model, out, args)):
-                emit({**fn(), "dpo_steps": args.dpo_steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]})
+                    record({**fn(), "round": rnd, "dpo_steps": args.dpo_steps, "cpus": os.cpu_count(),
+                            "load_avg_1m": os.getloadavg()[0]})
+        for row in summarize(rows):
+            emit(row)
     finally:
         ray.shutdown()
 

@@ -29,4 +29,9 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
             "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9, "bf16": {"enabled": use_gpu}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
+    if zero_stage == 0 and torch.distributed.get_world_size() == 1:
+        # a role is one process: DeepSpeed's data-parallel gradient all-reduce would flatten every
+        # gradient, all-reduce it with itself and copy it back at each step, an identity that costs
+        # two copies of the gradients and a collective call (ZeRO ≥ 1 reduces through its optimizer)
+        engine.enable_backward_allreduce = False
     return engine

@@ -27,15 +27,40 @@ def _stack_right_padded(a: dict, b: dict) -> dict:
 
 
 class PolicyTrainer:
-    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1):
+    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
+                 live_weights: bool = False):
+        """`live_weights`: keep the parameters in a shared-memory buffer that same-node rollout
+        replicas bind to (raypai.alignment.sync, "live shared parameters"); only for loops in which
+        no replica samples while this trainer updates (the synchronous ones), and only at ZeRO
+        stage 0 (higher stages keep their own flat copies of the parameters)."""
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.model_dir = model_dir
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
-        self.engine = make_engine(AutoModelForCausalLM.from_pretrained(model_dir), lr=lr, zero_stage=zero_stage)
-        self._shared = None  # raypai.alignment.sync.SharedWeights, made at the first same-node sync
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
+        self._live = live_weights and zero_stage == 0
+        if self._live:
+            from raypai.alignment.sync import SharedWeights
+
+            params = dict(model.named_parameters())  # tied weights once
+            self._shared = SharedWeights(self._shared_path(), params, create=True)
+            self._shared.bind(params, copy=True)
+            self._shared.stamp(0)
+        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage)
+
+    @staticmethod
+    def _shared_path():
+        import uuid
+
+        import ray
+
+        from raypai.alignment.sync import shared_path
+
+        actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        return shared_path(actor[:24] if actor else uuid.uuid4().hex[:24])
 
     def _lp(self, batch, where: torch.Tensor | None = None):
         # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
@@ -51,8 +76,12 @@ class PolicyTrainer:
 
     def _update(self, loss) -> float:
         self.engine.backward(loss)
+        if self._live:
+            self._shared.stamp(-1)  # being written
         self.engine.step()
         self.updates += 1
+        if self._live:
+            self._shared.stamp(self.updates)
         gn = self.engine.get_global_grad_norm()
         return float(gn) if gn is not None else 0.0
 
@@ -130,18 +159,21 @@ class PolicyTrainer:
 
         return ray.get_runtime_context().get_node_id()
 
-    def write_shared(self) -> tuple[str, int]:
-        """Copy the current weights into this trainer's shared-memory buffer (same-node replicas read
-        it); returns (its path, the weights' version)."""
-        import ray
+    def write_shared(self) -> tuple[str, int, bool]:
+        """Make the current weights readable by same-node replicas; returns (the buffer's path, the
+        weights' version, live). Live, the parameters already are the buffer: only the version is
+        stamped (it covers in-place changes made outside an update, e.g. a checkpoint load).
+        Otherwise they are copied into this trainer's buffer."""
+        from raypai.alignment.sync import SharedWeights
 
-        from raypai.alignment.sync import SharedWeights, shared_path
-
+        if self._live:
+            self._shared.stamp(self.updates)
+            return self._shared.path, self.updates, True
         state = self.engine.module.state_dict()
         if self._shared is None:
-            self._shared = SharedWeights(shared_path(ray.get_runtime_context().get_actor_id()[:24]), state, create=True)
+            self._shared = SharedWeights(self._shared_path(), state, create=True)
         self._shared.write(state, self.updates)
-        return self._shared.path, self.updates
+        return self._shared.path, self.updates, False
 
     def unlink_shared(self) -> None:
         """Remove the buffer's file (every replica has mapped it; the mappings stay valid)."""

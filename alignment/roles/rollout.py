@@ -31,6 +31,7 @@ class Rollout:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
         self._shared = None  # the trainer's shared-memory weights, mapped at the first same-node sync
+        self._live = False  # parameters bound to the trainer's own (live shared parameters)
 
     def load_weights(self, state: dict, version: int | None = None) -> int:
         """Load the trainer's weights; `version` (its update count) is reported with every sample."""
@@ -39,15 +40,26 @@ class Rollout:
             self.version = version
         return sum(v.numel() * v.element_size() for v in state.values())
 
-    def load_shared(self, written: tuple[str, int]) -> int:
-        """Load the weights the trainer wrote into shared memory (`written` = (path, version), from
-        its `write_shared`); refuses any other version. Returns the bytes copied."""
-        from raypai.alignment.sync import SharedWeights
+    def load_shared(self, written: tuple[str, int, bool]) -> int:
+        """Take the weights the trainer made readable (`written` = (path, version, live), from its
+        `write_shared`); refuses any other version. Copied into this replica's parameters, or, live,
+        this replica's parameters are bound to the trainer's own pages once and every later sync is
+        the version check. Returns the bytes of weights handed over."""
+        from raypai.alignment.sync import HEADER, SharedWeights
 
-        path, version = written
+        path, version, live = written
+        state = dict(self.model.named_parameters()) if live else self.model.state_dict()
         if self._shared is None or self._shared.path != path:
-            self._shared = SharedWeights(path, self.model.state_dict(), create=False)
-        size = self._shared.read_into(self.model.state_dict(), version)
+            self._shared = SharedWeights(path, state, create=False)
+            if live:
+                self._shared.check(version)
+                self._shared.bind(state, copy=False)
+        self._live = live
+        if live:
+            self._shared.check(version)
+            size = self._shared.total - HEADER
+        else:
+            size = self._shared.read_into(state, version)
         self.version = version
         return size
 
@@ -65,6 +77,8 @@ class Rollout:
         (prompt + completion), response masks and a right-padded training batch; with `logprobs`
         also the per-token log-probs of that batch under the weights that sampled it (B, T−1),
         which an off-policy update needs as its behaviour log-probs."""
+        if self._live:  # the trainer's pages: sample only with a whole update, and report which one
+            self.version = self._shared.current()
         stops = list(dict.fromkeys([*self.fmt.stop_ids, *self._stop_ids(stop)]))
         prompt_ids = [ids for p in prompts for ids in [self.fmt.prompt_ids(p)] * n]  # the template once per prompt
         if self.engine == "raypai":
@@ -112,7 +126,9 @@ class Rollout:
         return comps, stopped
 
     def _stop_ids(self, stop: tuple[str, ...]) -> list[int]:
-        vocab = self.tok.get_vocab()
+        if not stop:
+            return []
+        vocab = self.tok.get_vocab()  # a dict of the whole vocabulary: only when there are extra stops
         bad = [s for s in stop if s not in vocab]
         if bad:
             raise ConfigError([f"stop token {s!r} is not a single token of this tokenizer; use one of its special "

@@ -57,10 +57,10 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
         assert shm["sync_bytes"] == stats["sync_bytes"]
         assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2  # the trainer's update count
-        path, version = ray.get(policy.write_shared.remote())
-        assert version == 2 and not os.path.exists(path)  # removed after the first round; the mappings stay
+        path, version, live = ray.get(policy.write_shared.remote())
+        assert version == 2 and not live and not os.path.exists(path)  # removed after the first round; the mappings stay
         with pytest.raises(ray.exceptions.RayTaskError, match="hold version 2, expected 1: refusing stale weights"):
-            ray.get(rollout.load_shared.remote((path, 1)))
+            ray.get(rollout.load_shared.remote((path, 1, False)))
         torch.testing.assert_close(ray.get(reference.logprobs.remote(batch)), before, atol=1e-5, rtol=0)  # frozen
 
         digits = tuple(str(d) for d in range(10))
@@ -82,6 +82,47 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         for _ in range(5):
             last = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
         assert last < first  # the value head regresses toward the returns
+    finally:
+        place.shutdown()
+
+
+def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, tiny_model):
+    """Synchronous loops: the colocated replica's parameters are the trainer's own pages. A sync
+    copies nothing (the replica's parameters sit in the trainer's buffer), the replica samples with
+    exactly the trainer's weights and reports the update they come from, and a stale version is
+    refused (the copying paths are the test above)."""
+    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5)}
+    place = Placement("live-sync-test", specs, colocate=(tuple(specs),))
+    try:
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2, live_weights=True)
+        [rollout] = place.place("rollout", Rollout, tiny_model)
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
+        before = ray.get(rollout.logprobs.remote(batch))
+        ray.get(policy.sft_step.remote(batch))
+        trained = ray.get(policy.logprobs.remote(batch))
+        assert not torch.allclose(before, trained)
+        # the replica's own weights are untouched until it binds to the trainer's buffer at the first sync
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), before, atol=0, rtol=0)
+        stats = sync_weights(policy, [rollout])
+        assert stats["sync_bytes"] > 100_000
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
+
+        def mapped(self):  # every parameter's storage is a file mapping (the shared buffer), not private memory
+            return {n: p.untyped_storage().filename for n, p in self.model.named_parameters()}
+
+        files = ray.get(rollout.__ray_call__.remote(mapped))
+        assert len(set(files.values())) == 1 and next(iter(files.values())).startswith(("/dev/shm/", "/tmp"))
+        # a second update reaches the replica with no copy: its next sample is from update 2, exactly
+        ray.get(policy.sft_step.remote(batch))
+        trained2 = ray.get(policy.logprobs.remote(batch))
+        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained2, atol=0, rtol=0)
+        path, version, live = ray.get(policy.write_shared.remote())
+        assert (version, live) == (2, True)
+        with pytest.raises(ray.exceptions.RayTaskError, match="hold version 2, expected 1: refusing stale weights"):
+            ray.get(rollout.load_shared.remote((path, 1, True)))
+        ray.get(rollout.load_shared.remote((path, 2, True)))
     finally:
         place.shutdown()
 
