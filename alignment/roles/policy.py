@@ -12,6 +12,14 @@ from raypai.alignment._tensors import sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._engine import make_engine
 
+# CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
+# a step is a thousand small operations whose fork/join costs more than the split saves, and the
+# second core is better left to the driver and Ray's own processes, which work during every step.
+# Measured on issue #14's benchmark (0.79 M parameters, 2 cores): DPO's 16 rows (≈ 1 GFLOP) ran at
+# 206 pairs/s on 1 thread vs 139 on 2 (medians of 3 runs); an 8 × 8 GRPO update (≈ 5 GFLOP) took
+# 90 ms on 2 threads vs 110 ms on 1.
+TRAIN_FLOPS_PER_THREAD = 2.5e9
+
 
 def _stack_right_padded(a: dict, b: dict) -> dict:
     """Two right-padded batches as one: rows of `a` then rows of `b`, padded to the longer length
@@ -37,6 +45,7 @@ class PolicyTrainer:
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
+        self.threads = threads
         self.model_dir = model_dir
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -50,6 +59,7 @@ class PolicyTrainer:
             self._shared.bind(params, copy=True)
             self._shared.stamp(0)
         self.engine = make_engine(model, lr=lr, zero_stage=zero_stage)
+        self.n_params = sum(p.numel() for p in model.parameters())
 
     @staticmethod
     def _shared_path():
@@ -61,6 +71,14 @@ class PolicyTrainer:
 
         actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         return shared_path(actor[:24] if actor else uuid.uuid4().hex[:24])
+
+    def _threads_for(self, *batches: dict, passes: int = 6) -> None:
+        """Threads for a step over `batches` (6 FLOPs per parameter and token: forward and
+        backward; 2 for a forward alone), at most the actor's own (TRAIN_FLOPS_PER_THREAD)."""
+        if next(self.engine.module.parameters()).device.type != "cpu":
+            return
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        torch.set_num_threads(max(1, min(self.threads, int(passes * self.n_params * tokens // TRAIN_FLOPS_PER_THREAD))))
 
     def _lp(self, batch, where: torch.Tensor | None = None):
         # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
@@ -90,6 +108,7 @@ class PolicyTrainer:
         blocks, plus ptx_coef × their language-modelling loss (InstructGPT's "PPO-ptx" mix, Ouyang
         et al. 2022 eq. 2, used here to keep SFT from erasing what pretraining learned)."""
         self.engine.train()
+        self._threads_for(batch, *([{"attention_mask": ptx}] if ptx is not None and ptx_coef > 0 else []))
         m = batch["response_mask"]
         lp = self._lp(batch, m)
         loss = -(lp * m).sum() / m.sum()
@@ -104,6 +123,7 @@ class PolicyTrainer:
     def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
                  beta: float, loss_type: str, label_smoothing: float) -> dict:
         self.engine.train()
+        self._threads_for(chosen, rejected)
         # one forward over chosen and rejected rows together (right padding leaves each row's
         # log-probs as they are alone): half the forward/backward calls of two separate passes
         both = _stack_right_padded(chosen, rejected)
@@ -120,6 +140,7 @@ class PolicyTrainer:
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
                   max_len: int | None = None) -> dict:
         self.engine.train()
+        self._threads_for(batch)
         version = self.updates
         m = batch["response_mask"]
         lp = self._lp(batch, m)
@@ -135,6 +156,7 @@ class PolicyTrainer:
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
         self.engine.train()
+        self._threads_for(batch)
         m = batch["response_mask"]
         lp = self._lp(batch, m)
         per_token, clipped = clipped_surrogate(lp, self._on(m, old_lp), advantages, clip_eps=clip_eps)
@@ -145,6 +167,7 @@ class PolicyTrainer:
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
         self.engine.eval()
+        self._threads_for(batch, passes=2)
         with torch.no_grad():
             return self._lp(batch, batch["response_mask"])
 
