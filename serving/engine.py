@@ -139,7 +139,7 @@ class Engine:
                 ready = text if reason else stream_safe_prefix(text, r.stop)  # hold back a possible stop start
                 if len(ready) > len(s.emitted):
                     delta, s.emitted = ready[len(s.emitted):], ready
-            result = GenResult(s.emitted, len(s.produced), len(r.prompt_ids), reason) if reason else None
+            result = GenResult(s.emitted, len(s.produced), len(r.prompt_ids), reason, self.steps) if reason else None
             if delta or result:
                 events.append(Event(s.key, delta, result))
             if reason:

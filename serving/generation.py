@@ -26,6 +26,9 @@ class GenResult:
     completion_tokens: int
     prompt_tokens: int
     finish_reason: str  # "stop" | "length"
+    # the engine's decode-step count when the request finished (its clock: tracing, and how a test
+    # tells that a request returned while a batch-mate still had steps to run); None outside the engine
+    finished_at_step: int | None = None
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily: logits / T would overflow to inf - inf = nan
