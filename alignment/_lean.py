@@ -237,7 +237,7 @@ class LeanDecoder:
 
     def _rotation(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (*pos.shape, head_dim) of the positions `pos`."""
-        if self.cos is None:  # a dynamic RoPE: its frequencies follow the length reached, so computed as it goes
+        if self.cos is None:  # a length-dependent RoPE: computed as it goes, as the model's own forward does
             cos, sin = self.rotary(x, pos if pos.dim() == 2 else pos[:, None])
             return (cos, sin) if pos.dim() == 2 else (cos[:, 0], sin[:, 0])
         return self.cos[pos], self.sin[pos]
@@ -249,7 +249,8 @@ class LeanDecoder:
         # the rotary embedding of every position this generation can reach, from the model's own
         # module (so any RoPE scaling it implements), looked up per step instead of recomputed
         self.cos = self.sin = None
-        if "dynamic" not in str(getattr(self.rotary, "rope_type", "")):
+        # dynamic-NTK and LongRoPE pick their frequencies from the length a forward reaches: per step
+        if not any(kind in str(getattr(self.rotary, "rope_type", "")) for kind in ("dynamic", "longrope")):
             cos, sin = self.rotary(x, torch.arange(width, device=ids.device)[None])
             self.cos, self.sin = cos[0], sin[0]  # (width, head_dim)
         self.k = [x.new_zeros((B, self.s.kv_heads, width, self.s.head_dim)) for _ in self.layers]
