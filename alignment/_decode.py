@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from raypai.alignment._lean import lean_decoder
+from raypai.alignment._tensors import cpu_threads
 from raypai.errors import ConfigError
 
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
@@ -132,7 +133,7 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     threads = torch.get_num_threads()
     if device.type == "cpu":
         step_flops = 2 * B * sum(p.numel() for p in model.parameters())
-        torch.set_num_threads(max(1, min(threads, int(step_flops // STEP_FLOPS_PER_THREAD))))
+        torch.set_num_threads(cpu_threads(step_flops, STEP_FLOPS_PER_THREAD, threads))
     try:
         sampled, stopped = _sample_loop(dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p,
                                            generator, out_lp, device)

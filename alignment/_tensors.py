@@ -45,6 +45,12 @@ def pad(seqs: list[list[int]], resp: list[list[int]], pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": att, "response_mask": rm[:, 1:]}
 
 
+def cpu_threads(flops: float, flops_per_thread: float, most: int) -> int:
+    """Threads for a CPU step of `flops`: one per `flops_per_thread` of work, at least 1, at most
+    `most`. Below the grain a parallel region's fork/join costs more than the split saves."""
+    return max(1, min(most, int(flops // flops_per_thread)))
+
+
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 

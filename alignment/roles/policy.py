@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from raypai.alignment._tensors import sequence_logprob, token_logprobs
+from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._engine import make_engine
 
@@ -78,7 +78,7 @@ class PolicyTrainer:
         if next(self.engine.module.parameters()).device.type != "cpu":
             return
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-        torch.set_num_threads(max(1, min(self.threads, int(passes * self.n_params * tokens // TRAIN_FLOPS_PER_THREAD))))
+        torch.set_num_threads(cpu_threads(passes * self.n_params * tokens, TRAIN_FLOPS_PER_THREAD, self.threads))
 
     def _lp(self, batch, where: torch.Tensor | None = None):
         # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds

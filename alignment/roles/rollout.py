@@ -48,18 +48,18 @@ class Rollout:
         from raypai.alignment.sync import HEADER, SharedWeights
 
         path, version, live = written
-        state = dict(self.model.named_parameters()) if live else self.model.state_dict()
-        if self._shared is None or self._shared.path != path:
+        if self._shared is None or self._shared.path != path:  # the first sync from this buffer: map it
+            state = dict(self.model.named_parameters()) if live else self.model.state_dict()
             self._shared = SharedWeights(path, state, create=False)
             if live:
                 self._shared.check(version)
                 self._shared.bind(state, copy=False)
         self._live = live
-        if live:
+        if live:  # bound: the version check is the whole sync
             self._shared.check(version)
             size = self._shared.total - HEADER
         else:
-            size = self._shared.read_into(state, version)
+            size = self._shared.read_into(self.model.state_dict(), version)
         self.version = version
         return size
 
