@@ -32,7 +32,7 @@ from raypai.alignment.models import check_causal_lm, check_prompts, format_and_l
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import start_sync, sync_weights
+from raypai.alignment.sync import start_sync, sync_weights, wait_loads
 from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
@@ -124,8 +124,8 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 # queued on every replica: each loads the new weights after the work already submitted
                 # to it (async: the generation in flight) and before the next generation; the driver
                 # goes on. The previous step's loads are done by now (a replica ran them before sampling).
-                sizes, loads = ray.get(loads), start_sync(policy, rollouts)
-                sync = {"sync_bytes": int(sizes[0]) if sizes else 0}
+                sizes, loads = wait_loads(loads), start_sync(policy, rollouts)
+                sync = {"sync_bytes": sizes[0] if sizes else 0}
             # what the driver waited; the copy itself runs on the trainer and the replicas, in the
             # rollout's time when synchronous
             sync["sync_seconds"] = t.seconds["time_sync"]
@@ -146,7 +146,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
             if logger is not None:
                 logger.log_metrics(metrics, step=step)
             history.append(metrics)
-        ray.get(loads)  # the last weights are on every replica before the final evaluation
+        wait_loads(loads)  # the last weights are on every replica before the final evaluation
         summary = {"eval_reward_before": eval_before,
                    "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),

@@ -15,7 +15,10 @@ Two paths, chosen per replica:
   default: DeepSpeed then updates them in place), and a same-node replica binds its own parameters
   to the same pages. A sync is then the version check alone: the trainer stamps its update count in
   the header after each optimizer step, and the replica refuses to sample unless the header holds
-  the version it was told to expect. No copy on either side.
+  the version it was told to expect. No copy on either side. Once every same-node replica has
+  bound the trainer's buffer, later syncs send nothing at all: each sampling call reads the version
+  from the header itself (and refuses while an update is being written), so the trainer and the
+  replicas are not called between steps.
 
 Either way a replica loads the new weights after the work already submitted to it and before
 anything submitted later (an actor runs one caller's tasks in submission order), and
@@ -36,7 +39,8 @@ HEADER = 64  # bytes: int64 version, int64 layout digest, padding
 ALIGN = 64
 
 _NODES: dict[str, str] = {}  # actor id -> node id (an actor never moves)
-_FIRST_ROUND: dict[str, list] = {}  # trainer id -> its first shared round's loads, until its file is removed
+_FIRST_ROUND: dict[str, tuple] = {}  # trainer id -> (its first shared round's loads, the replicas, `written`)
+_BOUND: dict[str, tuple[frozenset, int]] = {}  # live trainer id -> (replica ids bound to its parameters, bytes)
 
 
 def layout(state: dict) -> tuple[list[tuple[str, int, int]], int, int]:
@@ -140,23 +144,34 @@ def sync_weights(trainer, rollouts: list, *, shared: bool | None = None) -> dict
     time until the last replica has loaded them) and `sync_bytes` (size of one copy). `shared`:
     None picks per replica (shared memory on the trainer's node), False forces the object store."""
     t0 = time.perf_counter()
-    sizes = ray.get(start_sync(trainer, rollouts, shared=shared))
+    sizes = wait_loads(start_sync(trainer, rollouts, shared=shared))
     seconds = time.perf_counter() - t0
     _remove_file_once_mapped(trainer)
-    return {"sync_seconds": seconds, "sync_bytes": int(sizes[0]) if sizes else 0}
+    return {"sync_seconds": seconds, "sync_bytes": sizes[0] if sizes else 0}
+
+
+def wait_loads(loads: list) -> list[int]:
+    """The bytes each replica took, once it has loaded them (`start_sync`'s list)."""
+    refs = [x for x in loads if isinstance(x, ray.ObjectRef)]
+    done = iter(ray.get(refs))
+    return [int(next(done)) if isinstance(x, ray.ObjectRef) else int(x) for x in loads]
 
 
 def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
     """Queue the copy without waiting: each replica loads the weights after the work already
-    submitted to it and before anything submitted later. Returns the ObjectRefs of the loaded sizes."""
+    submitted to it and before anything submitted later. Returns, per replica, the ObjectRef of the
+    bytes it loaded, or those bytes where nothing had to be sent (`wait_loads` waits for them all)."""
     _remove_file_once_mapped(trainer)
     here = [r for r in rollouts if shared is not False and _node(r) == _node(trainer)]
     away = [r for r in rollouts if r not in here]
-    loads = []
-    if here:
+    loads: list = []
+    bound, size = _BOUND.get(trainer._actor_id.hex(), (frozenset(), 0))
+    if here and {r._actor_id.hex() for r in here} <= bound:
+        loads += [size] * len(here)  # the replicas read the trainer's own pages: nothing to send
+    elif here:
         written = trainer.write_shared.remote()  # -> (path, version, live); the replicas' loads wait for it
         loads += [r.load_shared.remote(written) for r in here]
-        _FIRST_ROUND.setdefault(trainer._actor_id.hex(), list(loads))
+        _FIRST_ROUND.setdefault(trainer._actor_id.hex(), (list(loads), [r._actor_id.hex() for r in here], written))
     if away:
         state = trainer.state_dict.remote()  # one copy in the object store, shared by every remote replica
         version = trainer.version.remote()
@@ -166,11 +181,15 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
 
 def _remove_file_once_mapped(trainer) -> None:
     """Once every replica of the first shared round has loaded (so mapped the file), the trainer
-    removes the file: the mappings stay, and nothing is left in /dev/shm after the run."""
-    refs = _FIRST_ROUND.get(trainer._actor_id.hex())
+    removes the file: the mappings stay, and nothing is left in /dev/shm after the run. Live, those
+    replicas are from then on bound to the trainer's parameters (`start_sync` sends them nothing)."""
+    key = trainer._actor_id.hex()
+    refs, replicas, written = _FIRST_ROUND.get(key) or ([], [], None)
     if refs and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs):
         trainer.unlink_shared.remote()
-        _FIRST_ROUND[trainer._actor_id.hex()] = []
+        _FIRST_ROUND[key] = ()
+        if ray.get(written)[2]:  # live: done, so this costs no wait
+            _BOUND[key] = (frozenset(replicas), int(ray.get(refs[0])))
 
 
 def _node(actor) -> str:

@@ -43,6 +43,7 @@ def train_loop(loop_cfg: dict) -> None:
     import torch
 
     from raypai.train import checkpoint
+    from raypai.train.clipping import clip, take_clipping
     from raypai.train.config import PretrainConfig
     from raypai.train.data import BlockOrder, Prefetcher, TokenShards
     from raypai.train.metrics import StragglerDetector, mfu
@@ -70,8 +71,10 @@ def train_loop(loop_cfg: dict) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio))
+    conf = ds_config(cfg)
+    max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips, so the norm is known (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config(cfg), dist_init_required=False)
+                                           config=conf, dist_init_required=False)
     order = BlockOrder(len(train), cfg.seed)
 
     start_step, finished = 0, None
@@ -107,6 +110,7 @@ def train_loop(loop_cfg: dict) -> None:
             x = torch.from_numpy(tokens).long().to(engine.device)  # (micro_batch, seq_len), on the worker's GPU if any
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
+            clip(engine, max_norm)  # at the accumulation boundary only, like the step
             engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             window_losses.append(loss.item())
         step_time = time.perf_counter() - t0
@@ -173,12 +177,13 @@ def _window_metrics(engine, losses: list[float], step_time: float, world: int, s
     import torch
     import torch.distributed as dist
 
+    from raypai.train.clipping import grad_norm
+
     loss_t = torch.tensor([float(np.mean(losses))], device=engine.device)  # NCCL reduces device tensors only
     dist.all_reduce(loss_t)
     times = [None] * world
     dist.all_gather_object(times, step_time)
-    gn = engine.get_global_grad_norm()
-    out = {"loss": loss_t.item() / world, "grad_norm": float(gn) if gn is not None else 0.0,
+    out = {"loss": loss_t.item() / world, "grad_norm": grad_norm(engine),
            **{f"step_time_s.rank{r}": t for r, t in enumerate(times)}}
     for r in stragglers.observe(times):
         out["straggler_rank"] = r

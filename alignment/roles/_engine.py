@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
+from raypai.train.clipping import clip, grad_norm, take_clipping
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -28,10 +30,20 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9, "bf16": {"enabled": use_gpu}}
+    max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips and keeps the norm (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
+    engine.raypai_max_norm = max_norm
     if zero_stage == 0 and torch.distributed.get_world_size() == 1:
         # a role is one process: DeepSpeed's data-parallel gradient all-reduce would flatten every
         # gradient, all-reduce it with itself and copy it back at each step, an identity that costs
         # two copies of the gradients and a collective call (ZeRO ≥ 1 reduces through its optimizer)
         engine.enable_backward_allreduce = False
     return engine
+
+
+def step(engine) -> float:
+    """Clip (where raypai does, see `make_engine`), step the optimizer; returns the gradient norm
+    before clipping."""
+    clip(engine, engine.raypai_max_norm)
+    engine.step()
+    return grad_norm(engine)

@@ -8,6 +8,7 @@ import torch
 
 from raypai.alignment.losses import clipped_value_loss
 from raypai.alignment.roles._engine import make_engine
+from raypai.alignment.roles._engine import step as engine_step
 
 
 class Critic:
@@ -33,8 +34,7 @@ class Critic:
         self.engine.train()
         loss = clipped_value_loss(self._values(batch), old_values, returns, batch["response_mask"], clip)
         self.engine.backward(loss)
-        self.engine.step()
-        return {"value_loss": loss.item()}
+        return {"value_loss": loss.item(), "value_grad_norm": engine_step(self.engine)}
 
     def save_checkpoint(self, folder: str, tag: str) -> None:
         """Save under a new `tag`; the policy's `latest` (written after it) says which tag a resume loads."""

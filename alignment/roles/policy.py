@@ -11,6 +11,7 @@ import torch
 from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._engine import make_engine
+from raypai.alignment.roles._engine import step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
@@ -96,12 +97,11 @@ class PolicyTrainer:
         self.engine.backward(loss)
         if self._live:
             self._shared.stamp(-1)  # being written
-        self.engine.step()
+        gn = engine_step(self.engine)
         self.updates += 1
         if self._live:
             self._shared.stamp(self.updates)
-        gn = self.engine.get_global_grad_norm()
-        return float(gn) if gn is not None else 0.0
+        return gn
 
     def sft_step(self, batch: dict, ptx: torch.Tensor | None = None, ptx_coef: float = 0.0) -> dict:
         """Mean negative log-likelihood of the response tokens only; with `ptx` (B', T) pretraining

@@ -15,7 +15,7 @@ from raypai.alignment._tensors import encode_sft
 from raypai.alignment.data import sft_examples
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import sync_weights
+from raypai.alignment.sync import start_sync, sync_weights
 from raypai.alignment.tasks import arithmetic as ar
 from raypai.errors import ConfigError
 
@@ -86,6 +86,50 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         place.shutdown()
 
 
+def _clip_now(trainer, batch):
+    """On the trainer actor: one backward of the SFT loss, raypai's clip, the gradients' norm after it."""
+    from raypai.train.clipping import clip
+
+    m = batch["response_mask"]
+    lp = trainer._lp(batch, m)
+    trainer.engine.backward(-(lp * m).sum() / m.sum())
+    clip(trainer.engine, trainer.engine.raypai_max_norm)
+    after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.engine.module.parameters()]))
+    trainer.engine.zero_grad()
+    return float(after)
+
+
+def test_every_zero_stage_reports_the_gradient_norm_and_clips_to_the_limit(ray_align, tiny_model):
+    """At ZeRO 0 in fp32 DeepSpeed clips without keeping the norm (its get_global_grad_norm() is None,
+    and every run's grad_norm read 0): raypai clips there itself. The reported norm is the gradients'
+    norm before clipping, the same at stages 0 and 1 and as plain PyTorch's; the gradients the
+    optimizer then gets are scaled to the limit (1.0)."""
+    from transformers import AutoModelForCausalLM
+
+    from raypai.alignment._tensors import token_logprobs
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows(ar.problems(max_operand=3)[:6])))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    m = batch["response_mask"]
+    (-(token_logprobs(model, batch["input_ids"], batch["attention_mask"], where=m, lean=False) * m).sum()
+     / m.sum()).backward()
+    by_hand = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    assert by_hand > 1.5  # above the limit, so clipping has work to do
+
+    trainers = [ray.remote(PolicyTrainer).options(num_cpus=1).remote(tiny_model, 1e-2, stage) for stage in (0, 1)]
+    critic = ray.remote(Critic).options(num_cpus=1).remote(tiny_model, 1e-2)
+    try:
+        norms = [o["grad_norm"] for o in ray.get([t.sft_step.remote(batch) for t in trainers])]
+        assert norms == pytest.approx([by_hand, by_hand], rel=1e-4)
+        assert ray.get(trainers[0].__ray_call__.remote(_clip_now, batch)) == pytest.approx(1.0, rel=1e-4)
+        values = ray.get(critic.values.remote(batch))
+        assert ray.get(critic.train_step.remote(batch, values, values + 1.0, 10.0))["value_grad_norm"] > 0
+    finally:
+        for a in (*trainers, critic):
+            ray.kill(a)
+
+
 def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, tiny_model):
     """Synchronous loops: the colocated replica's parameters are the trainer's own pages. A sync
     copies nothing (the replica's parameters sit in the trainer's buffer), the replica samples with
@@ -123,6 +167,18 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         with pytest.raises(ray.exceptions.RayTaskError, match="hold version 2, expected 1: refusing stale weights"):
             ray.get(rollout.load_shared.remote((path, 1, True)))
         ray.get(rollout.load_shared.remote((path, 2, True)))
+        # once bound, a sync sends nothing (no call to the trainer or the replica) and says what is shared
+        loads = start_sync(policy, [rollout])
+        assert loads == [stats["sync_bytes"]]
+        ray.get(policy.sft_step.remote(batch))
+        assert sync_weights(policy, [rollout])["sync_bytes"] == stats["sync_bytes"]
+        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 3
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), ray.get(policy.logprobs.remote(batch)),
+                                   atol=0, rtol=0)
+        # and a replica that samples while the trainer writes an update is refused
+        ray.get(policy.__ray_call__.remote(lambda self: self._shared.stamp(-1)))
+        with pytest.raises(ray.exceptions.RayTaskError, match="being written by the trainer"):
+            ray.get(rollout.generate.remote(["1+2="], n=1))
     finally:
         place.shutdown()
 

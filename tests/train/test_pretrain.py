@@ -136,6 +136,12 @@ def test_zero_stages_0_1_2_give_the_same_loss_curve(reference):
         assert curves[stage][:10] == pytest.approx(curves[2][:10], rel=2e-3), stage
         assert curves[stage] == pytest.approx(curves[2], rel=5e-2), stage
         assert reference[stage]["trace"]["blocks"] == reference[2]["trace"]["blocks"]
+    # the gradient norm is reported at every stage (DeepSpeed keeps none at ZeRO 0 in fp32: raypai
+    # clips there itself, raypai.train.clipping) and is the same global norm, before clipping
+    norms = {s: [r["grad_norm"] for r in reference[s]["rows"] if "grad_norm" in r] for s in (0, 1, 2)}
+    assert len(norms[2]) == len(curves[2]) and min(norms[2]) > 0
+    for stage in (0, 1):
+        assert norms[stage][:10] == pytest.approx(norms[2][:10], rel=2e-2), stage
 
 
 def _keys(bucket: str, prefix: str) -> set[str]:
