@@ -3,9 +3,10 @@
 DeepSpeed clips fp32 gradients at stage 0 itself (`clip_fp32_gradients`: one norm per parameter in
 a Python loop) but drops the norm it computed, so `engine.get_global_grad_norm()` is None there and
 a run's `grad_norm` metric would read 0 at every step. For that case raypai takes clipping out of
-the DeepSpeed config (`take_clipping`) and clips in one pass over all gradients right before
-`engine.step()` at the accumulation boundary (`clip`), after DeepSpeed's all-reduce, so the norm is
-the global one on every rank. Other stages and precisions keep DeepSpeed's own clipping and norm.
+the DeepSpeed config (`take_clipping`) and clips right before `engine.step()` at the accumulation
+boundary (`clip`), after DeepSpeed's all-reduce, so the norm is the global one on every rank. The
+arithmetic is DeepSpeed's own, to the bit: a run takes the same steps as before, only the norm is
+now known. Other stages and precisions keep DeepSpeed's own clipping and norm.
 
     conf = ds_config(cfg); max_norm = take_clipping(conf)
     engine = deepspeed.initialize(..., config=conf)
@@ -40,8 +41,15 @@ def clip(engine, max_norm) -> None:
 
     if max_norm is _OFF or not engine.is_gradient_accumulation_boundary():
         return
-    norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), max_norm if max_norm > 0 else float("inf"),
-                                          foreach=None)
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return
+    # DeepSpeed's own arithmetic (its clip_grad_norm_ at one model-parallel rank, gradients already
+    # averaged over data-parallel ranks), so a run takes the same steps as under DeepSpeed's clipping
+    norm = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().float().pow(0.5)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     setattr(engine, NORM_ATTR, float(norm))
 
 
