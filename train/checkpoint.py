@@ -71,11 +71,14 @@ def _write_small_files(folder: Path, *, next_step: int, rank: int, rng: dict | N
 def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False, metrics: dict | None = None) -> Path:
     """Write this worker's share of the training state into a fresh folder in memory (`/dev/shm`
     where it exists). `with_hf`: rank 0 also writes the model as a Hugging Face folder in `hf/`;
-    `metrics`: the finished run's metrics, written into the final checkpoint."""
+    `metrics`: the finished run's metrics, written into the final checkpoint by rank 0."""
     folder = _new_folder()
     engine.save_checkpoint(str(folder), tag=TAG)
     _write_small_files(folder, next_step=next_step, rank=rank)
-    if metrics is not None:
+    if metrics is not None and rank == 0:
+        # one writer: every rank's folder is uploaded into the same checkpoint directory, and two
+        # ranks' copies of one file (their metrics differ in per-rank timings, so in length) raced
+        # there into a file with another's tail ("Extra data" when a finished run was read back)
         (folder / FINAL_METRICS).write_text(json.dumps(metrics, default=float))
     if with_hf and rank == 0:
         engine.module.save_pretrained(folder / "hf", safe_serialization=True)
@@ -93,7 +96,7 @@ def _report(folder: Path, metrics: dict, next_step: int, *, upload_async: bool) 
 
 def save(engine, metrics: dict, *, next_step: int, rank: int, final: bool = False) -> float:
     """Synchronous: serialize, upload and report a checkpoint; returns the seconds the loop stalled.
-    `final` also writes the Hugging Face export (rank 0) and the metrics (`metrics.json`)."""
+    `final` also writes the Hugging Face export and the metrics (`metrics.json`), both on rank 0."""
     t0 = time.perf_counter()
     folder = snapshot(engine, next_step=next_step, rank=rank, with_hf=final, metrics=dict(metrics) if final else None)
     _report(folder, metrics, next_step, upload_async=False)
