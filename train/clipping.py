@@ -16,30 +16,28 @@ now known. Other stages and precisions keep DeepSpeed's own clipping and norm.
 
 from __future__ import annotations
 
-_OFF = object()  # DeepSpeed clips (or nothing does), and reports the norm itself
-
 NORM_ATTR = "raypai_grad_norm"
 
 
-def take_clipping(conf: dict):
+def take_clipping(conf: dict) -> float | None:
     """For fp32 ZeRO-0 configs: remove the clipping from `conf` (in place) and return its max norm
-    (0: the norm is measured, nothing is clipped); otherwise return a marker that leaves both to DeepSpeed."""
+    (0: the norm is measured, nothing is clipped); otherwise None, which leaves both to DeepSpeed."""
     stage = (conf.get("zero_optimization") or {}).get("stage", 0)
     low_precision = any((conf.get(k) or {}).get("enabled") for k in ("fp16", "bf16", "bfloat16", "amp"))
     if stage or low_precision:
-        return _OFF
+        return None
     max_norm = float(conf.get("gradient_clipping", 0.0) or 0.0)
     conf["gradient_clipping"] = 0.0
     return max_norm
 
 
-def clip(engine, max_norm) -> None:
+def clip(engine, max_norm: float | None) -> None:
     """At the accumulation boundary (after DeepSpeed's gradient all-reduce, before `engine.step()`):
     the global 2-norm of the gradients, kept for `grad_norm`, and the gradients scaled to at most
     `max_norm` (Pascanu et al. 2013, "On the difficulty of training recurrent neural networks", §3.2)."""
     import torch
 
-    if max_norm is _OFF or not engine.is_gradient_accumulation_boundary():
+    if max_norm is None or not engine.is_gradient_accumulation_boundary():
         return
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     if not grads:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment.losses import clipped_value_loss
-from raypai.alignment.roles._engine import make_engine
-from raypai.alignment.roles._engine import step as engine_step
+from raypai.alignment.roles._engine import make_engine, step as engine_step
 
 
 class Critic:

@@ -10,8 +10,7 @@ import torch
 
 from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
-from raypai.alignment.roles._engine import make_engine
-from raypai.alignment.roles._engine import step as engine_step
+from raypai.alignment.roles._engine import make_engine, step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
