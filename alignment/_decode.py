@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raypai.alignment._lean import lean_decoder
+from raypai.alignment._lean import GraphedStep, lean_decoder
 from raypai.alignment._tensors import cpu_threads
 from raypai.errors import ConfigError
 
@@ -31,6 +31,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would
 # more than the work it shares (measured on the benchmark model: 64 rows, ≈ 80 MFLOP a step, decode
 # 1 thread ≈ 92 ms vs 2 threads ≈ 112 ms for 16 tokens). The prefill keeps all of the actor's threads.
 STEP_FLOPS_PER_THREAD = 1e8
+CHECK_EVERY = 8  # the static loop asks the device whether every row has ended once per this many tokens
 
 
 @dataclass
@@ -110,11 +111,14 @@ class _ModelDecoder:
 @torch.no_grad()
 def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           logprobs: bool = False, lean: bool = True) -> Decoded:
+           logprobs: bool = False, lean: bool = True, static: bool | None = None) -> Decoded:
     """Sample up to `max_new_tokens` after each prompt (token id lists of any lengths); a row ends
     at the first token in `stop_ids`. Random draws come from `generator` (default: torch's global
     generator, which the rollout checkpoints). `lean`: use raypai's lean forward for Llama-family
-    models (`raypai.alignment._lean`); other models, or lean=False, run the model's own forward."""
+    models (`raypai.alignment._lean`); other models, or lean=False, run the model's own forward.
+    `static` (lean forward only; default: on CUDA): keep every row in the batch and replay one
+    captured CUDA graph per token (`_static_loop`) instead of shrinking the batch as rows finish;
+    static=True on the CPU runs the same fixed-shape step without a graph (what the tests compare)."""
     device = next(model.parameters()).device
     B = len(prompts)
     # a prompt sampled several times (GRPO's group) is prefilled once and its cache rows repeated
@@ -130,6 +134,14 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
         logits, pos = logits[rows], pos[rows]
     nxt_pos = pos[:, -1] + 1  # (b,) each live row's next position
     out_lp = torch.zeros((B, max_new_tokens), device=device) if logprobs else None
+    if static is None:
+        static = device.type == "cuda"
+    if static and getattr(dec, "static_ok", False):
+        dec.start_static(torch.zeros(B, dtype=torch.long, device=device), nxt_pos)
+        run = GraphedStep(dec) if device.type == "cuda" else dec.static_step
+        sampled = _static_loop(run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p, generator,
+                               out_lp, device)
+        return _decoded(sampled, out_lp, stop_ids)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         step_flops = 2 * B * sum(p.numel() for p in model.parameters())
@@ -139,13 +151,42 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
                                            generator, out_lp, device)
     finally:
         torch.set_num_threads(threads)
-    tokens, lps = [], [] if logprobs else None
-    for row in sampled.cpu():
-        n = int((row >= 0).sum())
-        tokens.append(row[:n].tolist())
-    if logprobs:
-        lps = [out_lp[i, :len(tokens[i])].cpu() for i in range(B)]
+    return _decoded(sampled, out_lp, stop_ids, stopped)
+
+
+def _decoded(sampled: torch.Tensor, out_lp: torch.Tensor | None, stop_ids, stopped: int | None = None) -> Decoded:
+    """Decoded from (B, max_new) sampled ids, −1 after each row's end."""
+    tokens = []
+    for row in sampled.cpu().tolist():
+        n = row.index(-1) if -1 in row else len(row)
+        tokens.append(row[:n])
+    if stopped is None:
+        stops = set(stop_ids)
+        stopped = sum(1 for t in tokens if t and t[-1] in stops)
+    lps = None if out_lp is None else [lp[:len(t)] for lp, t in zip(out_lp.cpu(), tokens)]
     return Decoded(tokens, lps, stopped)
+
+
+def _static_loop(run, tok_in: torch.Tensor, logits: torch.Tensor, B: int, max_new_tokens: int, stop_ids,
+                 temperature: float, top_p: float, generator, out_lp, device) -> torch.Tensor:
+    """Sample and record every row at every step (a row's tokens after its stop token are dropped),
+    then `run()` the fixed-shape step on the sampled tokens written into `tok_in`. The host waits for
+    the device once per CHECK_EVERY tokens, to stop early once every row has ended, instead of
+    once per token."""
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    out_tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
+    ended = torch.zeros(B, dtype=torch.bool, device=device)
+    for t in range(max_new_tokens):
+        tok = sample_tokens(logits, temperature, top_p, generator).to(device)  # (B,)
+        out_tokens[:, t] = tok.masked_fill(ended, -1)
+        if out_lp is not None:
+            out_lp[:, t] = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+        ended |= torch.isin(tok, stops)
+        if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and bool(ended.all())):
+            break
+        tok_in.copy_(tok)
+        logits = run()
+    return out_tokens
 
 
 def _sample_loop(dec, logits, nxt_pos, B: int, max_new_tokens: int, stop_ids, temperature: float, top_p: float,

@@ -297,3 +297,70 @@ class LeanDecoder:
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
         self.bias = self.bias[rows]
+
+    @property
+    def static_ok(self) -> bool:
+        """The fixed-shape step below covers this model (a RoPE table computed at prefill)."""
+        return self.cos is not None
+
+    def start_static(self, tok: torch.Tensor, pos: torch.Tensor) -> None:
+        """Inputs of `static_step` as buffers it reads in place: the rows' next tokens, their
+        positions and the cache column to write (after prefill and any `keep`)."""
+        self.tok_in, self.pos_in = tok.clone(), pos.clone()
+        self.t_in = torch.tensor([self.t], device=tok.device)
+
+    def static_step(self) -> torch.Tensor:
+        """`step` with shapes that never change: every row stays in the batch (finished ones are
+        ignored by the caller), the token and its cache column come from `tok_in`/`t_in` (device
+        tensors, advanced in place), and attention reads the cache's full width under the bias
+        (−inf on every column not yet written). No host synchronisation and no allocation whose
+        size depends on the step, so the whole step can be captured once as a CUDA graph and
+        replayed per token (`torch.cuda.CUDAGraph`): one launch instead of hundreds of kernels,
+        which is what bounds a decoding step on a GPU at rollout sizes."""
+        s, t = self.s, self.t_in
+        B, H, KV, D = len(self.tok_in), s.heads, s.kv_heads, s.head_dim
+        G = H // KV
+        self.bias.index_fill_(1, t, 0.0)
+        bias = self.bias[:, None, None, :]  # (B, 1, 1, width)
+        x = self.embed(self.tok_in)
+        cos, sin = self.cos[self.pos_in][:, None], self.sin[self.pos_in][:, None]  # (B, 1, D)
+        for i, layer in enumerate(self.layers):
+            (w, b), gate_up = self.fused[i]
+            h = F.linear(_rms(layer.input_layernorm, x), w, b).view(B, H + 2 * KV, D)
+            qk = _rope(h[:, :H + KV], cos, sin)
+            self.k[i].index_copy_(2, t, qk[:, H:, None])
+            self.v[i].index_copy_(2, t, h[:, H + KV:, None])
+            scores = torch.matmul(qk[:, :H].reshape(B, KV, G, D), self.k[i].transpose(-1, -2)).mul_(D ** -0.5)
+            weights = torch.softmax(scores.add_(bias), dim=-1, dtype=torch.float32).to(self.v[i].dtype)
+            o = torch.matmul(weights, self.v[i]).reshape(B, H * D)
+            a, m = layer.self_attn, layer.mlp
+            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            g, u = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
+            x = x + F.linear(m.act_fn(g) * u, m.down_proj.weight, m.down_proj.bias)
+        t.add_(1)
+        self.pos_in.add_(1)
+        return self._logits(x)
+
+
+class GraphedStep:
+    """`static_step` of a LeanDecoder on CUDA, captured as one CUDA graph at its first call (after
+    one eager run on a side stream, which warms up the kernels and allocator as capture requires)
+    and replayed for every later token. The returned logits are the graph's own output buffer:
+    read them before the next call."""
+
+    def __init__(self, dec: LeanDecoder):
+        self.dec, self.graph, self.out = dec, None, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self.dec.static_step()  # a real step (the cache advances), not a throw-away run
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # records the kernels without running them
+            self.out = self.dec.static_step()
+        return logits

@@ -10,10 +10,14 @@ PyTorch and transformers but no Ray, DeepSpeed or MLflow (the session's lent GPU
    seconds per step on CUDA and on the CPU;
 3. serving: the continuous-batching engine (`raypai.serving.engine.Engine`) and `generate_batch` with
    the model on CUDA give the CPU's greedy tokens, requests joining a running batch; tokens/s both ways.
-4. rollout (issue #14): a ~0.5B random-init Qwen2 (Qwen2-0.5B's shape) in bf16: the rollout's decoding
-   loop (`raypai.alignment._decode.decode`) vs HF `generate`, both sampling 64 prompts × 128 new tokens,
-   tokens/s; greedy tokens of both equal; and one GRPO policy update (bf16 autocast, fp32 AdamW) in
-   seconds and tokens/s. `python benchmarks/gpu_check.py rollout` runs this check alone.
+4. rollout (issue #14): a ~0.5B random-init Qwen2 (Qwen2-0.5B's shape): in fp32, the greedy tokens of
+   HF `generate`, raypai's decoding loop (`raypai.alignment._decode.decode`) eager and as a replayed CUDA
+   graph agree, and the graph's sampled log-probs equal a teacher-forced forward; in bf16, tokens/s of
+   the three sampling 64 distinct prompts and 64 prompts × 8 samples, 128 new tokens each; one GRPO
+   policy update (bf16 autocast, fp32 AdamW) through the model's own forward and raypai's lean one, in
+   seconds and tokens/s; then sleep/wake of that trainer's weights and optimizer state
+   (`raypai.alignment.offload`): bitwise equal after wake, seconds and GB/s.
+   `python benchmarks/gpu_check.py rollout` (engines) and `... update` (update and offload) run these alone.
 
 The pretraining loop (Ray Train + DeepSpeed) and the role actors cannot run there: not checked here.
 """
@@ -235,75 +239,157 @@ def _qwen2_half_b():
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def check_rollout(batch: int = 64, new_tokens: int = 128) -> None:
-    from raypai.alignment._decode import decode
-    from raypai.alignment.losses import grpo_loss
+def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    att = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], att[i, width - len(p):] = torch.tensor(p), 1
+    return ids.cuda(), att.cuda()
 
-    model = _qwen2_half_b().to("cuda", torch.bfloat16).eval()
-    n_params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (batch,), generator=g)]
-    stop = [151643]  # Qwen2's <|endoftext|>; a random model almost never samples it, so rows run to the limit
+
+def _rollout_engines(model, prompts: list[list[int]], stop: list[int]) -> dict:
+    """name → fn(temperature, max_new) → per-row token lists: HF generate, raypai's loop shrinking
+    the batch (eager), and raypai's fixed-shape step replayed as a CUDA graph."""
+    from raypai.alignment._decode import decode
 
     def hf(temperature: float, max_new: int):
-        width = max(map(len, prompts))
-        ids = torch.zeros((batch, width), dtype=torch.long)
-        att = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):], att[i, width - len(p):] = torch.tensor(p), 1
+        ids, att = _left_padded(prompts)
         kw = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
         with torch.no_grad():
-            out = model.generate(input_ids=ids.cuda(), attention_mask=att.cuda(), max_new_tokens=max_new,
-                                 eos_token_id=stop, pad_token_id=0, min_new_tokens=max_new, **kw)
-        return [row[width:].tolist() for row in out.cpu()]
+            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, eos_token_id=stop,
+                                 pad_token_id=0, min_new_tokens=max_new, **kw)
+        return [row[ids.shape[1]:].tolist() for row in out.cpu()]
 
-    def mine(temperature: float, max_new: int):
-        return decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=max_new, temperature=temperature,
-                      logprobs=True).tokens
+    def raypai(static: bool):
+        return lambda temperature, max_new: decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=max_new,
+                                                   temperature=temperature, logprobs=True, static=static).tokens
 
-    def timed(fn):
-        fn(1.0, 8)  # warm-up: kernels, allocator
+    return {"hf_generate": hf, "raypai_eager": raypai(False), "raypai_cuda_graph": raypai(True)}
+
+
+def _tokens_per_s(fn, new_tokens: int, repeats: int = 2) -> float:
+    fn(1.0, 8)  # warm-up: kernels, allocator
+    best = 0.0
+    for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         toks = fn(1.0, new_tokens)
         torch.cuda.synchronize()
-        return sum(map(len, toks)) / (time.perf_counter() - t0)
+        best = max(best, sum(map(len, toks)) / (time.perf_counter() - t0))
+    return best
 
-    hf_tps, mine_tps = timed(hf), timed(mine)
-    greedy_same = sum(a[:len(b)] == b for a, b in zip(hf(0.0, 16), mine(0.0, 16)))
-    emit(check="rollout_qwen2_0.5b_bf16", ok=greedy_same >= batch - 2, params_m=n_params / 1e6, batch=batch,
-         new_tokens=new_tokens, hf_generate_tokens_per_s=hf_tps, raypai_decode_tokens_per_s=mine_tps,
-         speedup=mine_tps / hf_tps, greedy_rows_equal=greedy_same)
 
-    # one GRPO policy update on the samples: bf16 autocast over fp32 master weights, AdamW
+def check_rollout(new_tokens: int = 128) -> None:
+    """Issue #14's GPU measurement: rollout engines and one policy update on a ~0.5B model in bf16."""
+    from raypai.alignment._decode import decode
+
+    model = _qwen2_half_b().cuda().eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(5)
+    distinct = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (64,), generator=g)]
+    stop = [151643]  # Qwen2's <|endoftext|>; a random model almost never samples it, so rows run to the limit
+
+    # correctness in fp32 (bf16 greedy parts at near-ties): greedy tokens of the three engines, and the
+    # graph's sampled log-probs against a teacher-forced forward over prompt + completion
+    engines = _rollout_engines(model, distinct[:16], stop)
+    greedy = {name: fn(0.0, 16) for name, fn in engines.items()}
+    same = {name: sum(a == b for a, b in zip(greedy["hf_generate"], toks)) for name, toks in greedy.items()}
+    d = decode(model, distinct[:16], pad_id=0, stop_ids=stop, max_new_tokens=16, logprobs=True, static=True,
+               generator=torch.Generator("cuda").manual_seed(1))
+    seqs = [p + t for p, t in zip(distinct[:16], d.tokens)]
+    width = max(map(len, seqs))
+    x = torch.zeros((16, width), dtype=torch.long)
+    att = torch.zeros((16, width), dtype=torch.long)
+    for i, sq in enumerate(seqs):
+        x[i, :len(sq)], att[i, :len(sq)] = torch.tensor(sq), 1
+    with torch.no_grad():
+        full = token_logprobs(model, x.cuda(), att.cuda(), lean=False)
+    lp_diff = max(float((lp.cuda() - full[i, len(p) - 1:len(p) - 1 + len(lp)]).abs().max())
+                  for i, (p, lp) in enumerate(zip(distinct[:16], d.logprobs)))
+    emit(check="rollout_engines_fp32_agree", ok=same["raypai_eager"] >= 15 and same["raypai_cuda_graph"] >= 15
+         and lp_diff < 1e-3, rows=16, greedy_rows_equal_to_hf=same, graph_logprob_max_abs_diff=lp_diff)
+
+    model = model.to(torch.bfloat16)
+    for label, prompts in (("64_distinct", distinct), ("64x8_grouped", [p for p in distinct for _ in range(8)])):
+        rates = {name: _tokens_per_s(fn, new_tokens) for name, fn in _rollout_engines(model, prompts, stop).items()}
+        emit(check=f"rollout_qwen2_0.5b_bf16_{label}", ok=True, params_m=round(n_params / 1e6, 1), rows=len(prompts),
+             new_tokens=new_tokens, tokens_per_s={k: round(v) for k, v in rates.items()},
+             graph_vs_hf=round(rates["raypai_cuda_graph"] / rates["hf_generate"], 2),
+             eager_vs_hf=round(rates["raypai_eager"] / rates["hf_generate"], 2))
+
+
+
+def check_update(new_tokens: int = 128) -> None:
+    """One GRPO policy update on 8 prompts × 8 samples of the ~0.5B model: bf16 autocast over fp32
+    master weights, AdamW; the model's own forward (full-vocabulary logits) vs raypai's (response
+    positions only, each prompt once); then sleep/wake of that trainer (`check_offload`)."""
+    from raypai.alignment._decode import decode
+    from raypai.alignment.losses import grpo_loss
+
+    model = _qwen2_half_b().cuda().to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(5)
+    distinct = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (64,), generator=g)]
+    stop = [151643]
+    prompts = [p for p in distinct[:8] for _ in range(8)]
+    comps = decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=new_tokens).tokens
     model = model.float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    seqs = [p + t for p, t in zip(prompts, mine(1.0, new_tokens))]
+    seqs = [p + t for p, t in zip(prompts, comps)]
     width = max(map(len, seqs))
-    x = torch.zeros((batch, width), dtype=torch.long)
-    m = torch.zeros((batch, width), dtype=torch.long)
-    for i, sq in enumerate(seqs):
+    x = torch.zeros((64, width), dtype=torch.long)
+    m = torch.zeros((64, width), dtype=torch.long)
+    resp = torch.zeros((64, width - 1))
+    for i, (p, sq) in enumerate(zip(prompts, seqs)):
         x[i, :len(sq)], m[i, :len(sq)] = torch.tensor(sq), 1
-    x, m = x.cuda(), m.cuda()
-    resp = m[:, 1:].float()
-    adv = torch.randn(batch, device="cuda")
-    times = []
-    for _ in range(4):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for half in (slice(0, batch // 2), slice(batch // 2, batch)):  # two micro-batches of 32
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                lp = token_logprobs(model, x[half], m[half])
-                loss, _ = grpo_loss(lp, lp.detach(), None, adv[half], resp[half], aggregation="dapo")
-            (loss / 2).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    step = sorted(times[1:])[len(times[1:]) // 2]
-    emit(check="grpo_update_qwen2_0.5b_bf16_autocast", ok=bool(torch.isfinite(loss).item()), batch=batch,
-         tokens=int(m.sum()), median_step_s=step, tokens_per_s=int(m.sum()) / step,
-         peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+        resp[i, len(p) - 1:len(sq) - 1] = 1
+    x, m, resp = x.cuda(), m.cuda(), resp.cuda()
+    adv = torch.randn(64).cuda()
+    for lean in (False, True):
+        times = []
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for half in (slice(0, 32), slice(32, 64)):  # two micro-batches of 4 prompts × 8
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    lp = token_logprobs(model, x[half], m[half], where=resp[half] if lean else None, lean=lean)
+                    loss, _ = grpo_loss(lp, lp.detach(), None, adv[half], resp[half], aggregation="dapo")
+                (loss / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        step = sorted(times[1:])[len(times[1:]) // 2]
+        emit(check=f"grpo_update_qwen2_0.5b_bf16_autocast_{'raypai_lean' if lean else 'model_forward'}",
+             ok=bool(torch.isfinite(loss).item()), rows=64, tokens=int(m.sum()), median_step_s=round(step, 4),
+             tokens_per_s=round(int(m.sum()) / step), peak_memory_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    check_offload(model, opt)
+
+
+def check_offload(model, opt) -> None:
+    """Sleep/wake of a trainer between phases (raypai.alignment.offload): the 0.5B model's fp32
+    weights and AdamW state leave the GPU and come back bitwise equal; seconds and GB/s, twice (the
+    second sleep reuses the pinned host buffers)."""
+    from raypai.alignment.offload import sleep
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    rows = []
+    for _ in range(2):
+        slept = sleep(model, opt)
+        freed = resident - torch.cuda.memory_allocated()
+        wake_s = slept.wake()
+        rows.append({"gb": round(slept.bytes / 1e9, 3), "sleep_s": round(slept.seconds, 4), "wake_s": round(wake_s, 4),
+                     "freed_gb": round(freed / 1e9, 3)})
+    exact = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    on_gpu = all(p.is_cuda for p in model.parameters()) and all(
+        t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    emit(check="offload_sleep_wake_qwen2_0.5b_fp32_adamw", ok=exact and on_gpu and rows[-1]["freed_gb"] >= 0.9 * rows[-1]["gb"],
+         bitwise_equal_after_wake=exact, back_on_gpu=on_gpu, rounds=rows,
+         sleep_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["sleep_s"], 1e-9), 1),
+         wake_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["wake_s"], 1e-9), 1))
 
 
 def main() -> int:
@@ -312,7 +398,7 @@ def main() -> int:
         return 1
     emit(check="device", ok=True, name=torch.cuda.get_device_name(0), torch=torch.__version__,
          transformers=__import__("transformers").__version__)
-    checks = (check_losses, check_training, check_serving, check_rollout)
+    checks = (check_losses, check_training, check_serving, check_rollout, check_update)
     if len(sys.argv) > 1:
         checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")
     for fn in checks:

@@ -29,13 +29,19 @@ def test_the_lean_forward_covers_llama_and_qwen2_and_leaves_gpt2_to_its_own_forw
     assert (lean_decoder(model) is None) == (type(model).__name__ == "GPT2LMHeadModel")
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "model-forward"])
-def test_greedy_tokens_are_those_of_hf_generate(family_model, lean):
+# the lean forward shrinking the batch as rows end (the CPU's default), the lean forward's fixed-shape
+# step (what CUDA replays as a graph; run eagerly here), and the model's own forward
+ENGINES = pytest.mark.parametrize("lean, static", [(True, False), (True, True), (False, False)],
+                                  ids=["lean", "lean-static", "model-forward"])
+
+
+@ENGINES
+def test_greedy_tokens_are_those_of_hf_generate(family_model, lean, static):
     model, fmt = family_model
     prompts = _prompts(fmt)
     stops = list(fmt.stop_ids)
     mine = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stops, max_new_tokens=12, temperature=0,
-                  lean=lean)
+                  lean=lean, static=static)
     for p, got in zip(prompts, mine.tokens):  # one prompt at a time: no padding on HF's side
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=12, do_sample=False, eos_token_id=stops,
@@ -44,8 +50,8 @@ def test_greedy_tokens_are_those_of_hf_generate(family_model, lean):
         assert got == (ref if cut is None else ref[:cut + 1])
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "model-forward"])
-def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model, lean):
+@ENGINES
+def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model, lean, static):
     model, fmt = family_model
     prompts = _prompts(fmt) * 4
     stop = list(fmt.stop_ids)
@@ -53,7 +59,7 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
     frequent = torch.topk(model(torch.tensor([prompts[0]])).logits[0, -1], 2).indices.tolist()
     g = torch.Generator().manual_seed(3)
     d = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stop + frequent, max_new_tokens=10,
-               generator=g, logprobs=True, lean=lean)
+               generator=g, logprobs=True, lean=lean, static=static)
     ended = [t for t in d.tokens if t and t[-1] in stop + frequent]
     assert 0 < len(ended) == d.stopped < len(prompts)  # some rows left the batch early, others ran on
     for toks in d.tokens:
