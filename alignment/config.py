@@ -4,7 +4,7 @@ CPU; the comments say where a default comes from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raypai.alignment.losses import AGGREGATIONS, DPO_LOSSES
 from raypai.config import parse_config
@@ -141,11 +141,21 @@ class GRPOConfig:
     # async runs give each role its own bundle and 1 thread, as they work at the same time.
     train_threads: int = 0
     rollout_threads: int = 0
+    # GPUs of a synchronous run: 0 = every role on CPUs; g in (0, 1] = the trainer, rollout replicas
+    # and (with beta > 0) the reference share g of one GPU and take turns on it, the trainer asleep
+    # (weights and optimizer state in host memory) while the rollout samples
+    gpus: float = 0.0
 
     def validate(self):
         p = []
         _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
                          "checkpoint_every", "rollout_replicas"), p)
+        if not 0 <= self.gpus <= 1:
+            p.append(f"GRPOConfig.gpus must be in [0, 1] (got {self.gpus:g}): the colocated roles share one GPU "
+                     "(0 runs them on CPUs)")
+        if self.gpus and self.async_rollout:
+            p.append("GRPOConfig.gpus with async_rollout=True is not supported: async rollout samples while the "
+                     "trainer updates, so the two cannot take turns on one GPU; use async_rollout=False on a GPU")
         for name in ("train_threads", "rollout_threads"):
             if getattr(self, name) < 0:
                 p.append(f"GRPOConfig.{name} must be ≥ 0 (got {getattr(self, name)}); 0 = placement's choice")

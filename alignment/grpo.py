@@ -60,8 +60,15 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
     pad_id = fmt.tok.pad_token_id
-    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
-             "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
+    # queried, beta > 0) the rest; the reward stays on CPUs
+    g = cfg.gpus
+    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2),
+             "rollout": RoleSpec(cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas,
+                                 replicas=cfg.rollout_replicas),
+             "reference": RoleSpec(cpus=0.5, gpus=g / 4 if cfg.beta else 0.0),
+             "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
     # CPUs (several rollout replicas split the batch and those CPUs between them); async: rollout and
     # update overlap, each in its own bundle with one thread
@@ -72,13 +79,15 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     try:
         # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
+        # (on a GPU the replicas take each update as a bf16 copy through host shared memory)
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               threads=cfg.train_threads or shared, live_weights=not cfg.async_rollout)
+                               threads=cfg.train_threads or shared, live_weights=not cfg.async_rollout,
+                               device=device["policy"], sync_dtype="bfloat16" if g else None)
         rollouts = place.place("rollout", Rollout, model_dir,
                                threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
-                               engine=cfg.rollout_engine,
+                               engine=cfg.rollout_engine, device=device["rollout"],
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
-        [reference] = place.place("reference", Reference, model_dir)
+        [reference] = place.place("reference", Reference, model_dir, device=device["reference"])
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)
         rng = random.Random(cfg.seed)
@@ -101,7 +110,12 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                     pending = (launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen)
                                if step < cfg.steps else None)
                 else:
+                    # on a GPU the trainer sleeps while the replicas sample (they get its memory for
+                    # their KV caches) and wakes before its update (queued ahead of it on the trainer)
+                    offload = ray.get(policy.sleep.remote()) if g else {}
                     s = collect(launch(rollouts, pick(), cfg.group_size, **gen), pad_id=pad_id)
+                    if g:
+                        policy.wake.remote()
             # reference and reward work in parallel; time_reference is the wait left after the rewards
             ref_lp = reference.logprobs.remote(s.batch) if cfg.beta else None
             # old log-probs: async, the sampling weights' (off-policy ratio); μ = 1 on-policy, the
@@ -132,7 +146,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
             metrics = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
                        "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
                        "entropy": m["entropy"], "grad_norm": m["grad_norm"], "response_length": response_length(s.batch),
-                       **sync, **t.seconds, "samples": len(s.completions),
+                       **sync, **t.seconds, **(offload if g else {}), "samples": len(s.completions),
                        # measured: trainer updates between the weights that sampled this batch and the update
                        "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}

@@ -1,9 +1,9 @@
 """Where role actors run: one placement group per alignment run, one bundle per actor, or one
 shared bundle for roles colocated on the same machine.
 
-The role actors run on CPUs only in this version (no device placement, bf16 or offload between
-phases inside them), so a RoleSpec asking for GPUs is refused rather than given a GPU it would
-leave idle."""
+A role with `gpus` > 0 gets that share of a GPU (Ray's fractional GPUs; colocated roles that take
+turns share one GPU through their bundle) and computes on it (`roles._device`); between phases the
+trainer sleeps (`raypai.alignment.offload`) so the rollout has the device's memory."""
 
 from __future__ import annotations
 
@@ -27,29 +27,39 @@ def _check_fits(run_name: str, bundles: list[dict]) -> None:
     """Fail now, naming the shortfall, instead of waiting forever for a placement group that cannot fit."""
     have = ray.cluster_resources()
     problems = [f"{res}: the roles of {run_name!r} need {sum(b.get(res, 0) for b in bundles):g}, the cluster has "
-                f"{have.get(res, 0):g}" for res in ("CPU",)
+                f"{have.get(res, 0):g}" for res in ("CPU", "GPU")
                 if sum(b.get(res, 0) for b in bundles) > have.get(res, 0)]
     if problems:
-        raise ConfigError(problems + ["start Ray with more logical CPUs (RAYPAI_RAY_NUM_CPUS=8, or raypai.runtime.ensure_ray(settings, num_cpus=8) from Python), "
-                                      "or give the roles smaller RoleSpec.cpus / colocate them"], what="role placement")
+        fixes = []
+        if any(p.startswith("CPU") for p in problems):
+            fixes.append("start Ray with more logical CPUs (RAYPAI_RAY_NUM_CPUS=8, or raypai.runtime.ensure_ray(settings, "
+                         "num_cpus=8) from Python), or give the roles smaller RoleSpec.cpus / colocate them")
+        if any(p.startswith("GPU") for p in problems):
+            fixes.append("run on a Ray cluster with that many GPUs, or set gpus=0 in the algorithm's config "
+                         "to run every role on CPUs")
+        raise ConfigError(problems + fixes, what="role placement")
+
+
+def _resources(cpus: float, gpus: float) -> dict:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
 class Placement:
     """`place(name, cls, spec, *args)` → actor handles named `<run>/<role>-<i>` in the dashboard."""
 
     def __init__(self, run_name: str, specs: dict[str, RoleSpec], colocate: tuple[tuple[str, ...], ...] = ()):
-        gpu_roles = [r for r, spec in specs.items() if spec.gpus]
-        if gpu_roles:
-            raise ConfigError([f"role {r!r} asks for {specs[r].gpus:g} GPU(s): raypai's alignment roles run on CPUs "
-                               "only in this version (they would hold the GPU and compute on the CPU); use "
-                               "RoleSpec(cpus=...) without gpus" for r in gpu_roles], what="role placement")
+        bad = [f"role {r!r} asks for {spec.gpus:g} GPUs: a role runs in one process on one device, so give it at "
+               "most 1 (a fraction shares one GPU)" for r, spec in specs.items() if not 0 <= spec.gpus <= 1]
+        if bad:
+            raise ConfigError(bad, what="role placement")
         self.run_name = run_name
         self.group_of = {}
         bundles = []
         grouped = {r for g in colocate for r in g}
         for g in colocate:
             idx = len(bundles)
-            bundles.append({"CPU": sum(specs[r].cpus * specs[r].replicas for r in g)})
+            bundles.append(_resources(sum(specs[r].cpus * specs[r].replicas for r in g),
+                                      sum(specs[r].gpus * specs[r].replicas for r in g)))
             for r in g:
                 self.group_of[r] = [idx] * specs[r].replicas
         for role, spec in specs.items():
@@ -58,7 +68,7 @@ class Placement:
             self.group_of[role] = []
             for _ in range(spec.replicas):
                 self.group_of[role].append(len(bundles))
-                bundles.append({"CPU": spec.cpus})
+                bundles.append(_resources(spec.cpus, spec.gpus))
         self.specs = specs
         _check_fits(run_name, bundles)
         self.pg = placement_group(bundles, strategy="PACK", name=f"{run_name}-roles")
@@ -71,7 +81,7 @@ class Placement:
         handles = []
         for i, bundle in enumerate(self.group_of[role]):
             actor = ray.remote(cls).options(
-                name=f"{self.run_name}/{role}-{i}", num_cpus=spec.cpus,
+                name=f"{self.run_name}/{role}-{i}", num_cpus=spec.cpus, num_gpus=spec.gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             ).remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))
             handles.append(actor)

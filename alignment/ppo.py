@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, mean_of, response_length, sample, score, throughput, to_tensor
+from raypai.alignment._loop import Sections, mean_of, response_length, sample, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import PPOConfig
 from raypai.alignment.evaluate import reward_with

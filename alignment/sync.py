@@ -33,7 +33,9 @@ import os
 import time
 from pathlib import Path
 
-import ray
+import torch
+
+# Ray is imported where it is used: the buffer itself (SharedWeights) serves roles built in-process too
 
 HEADER = 64  # bytes: int64 version, int64 layout digest, padding
 ALIGN = 64
@@ -61,10 +63,10 @@ class SharedWeights:
     replica. Its file is removed once every replica has mapped it (the mappings stay valid)."""
 
     def __init__(self, path: str | Path, state: dict, *, create: bool):
-        import torch
-
         self.path = str(path)
         self.entries, self.total, self.digest = layout(state)
+        # each tensor's dtype in the buffer, which a writer or reader of another dtype casts to and from
+        self.dtypes = [t.dtype for t in state.values()]
         if create:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "wb") as f:
@@ -78,17 +80,18 @@ class SharedWeights:
         storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.total)
         self.buf = torch.tensor([], dtype=torch.uint8).set_(storage)  # (total,) bytes
         self.head = self.buf[:16].view(torch.int64)  # [version, layout digest]
+        self._pinned = None  # page-locked for CUDA copies (`_pin`): not tried yet
 
-    def _views(self, state: dict):
-        for (name, offset, nbytes), t in zip(self.entries, state.values()):
-            yield t, self.buf[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    def _views(self, state: dict, flat: torch.Tensor | None = None):
+        """(tensor, its slice of the buffer — or of `flat`, a device copy of the buffer's layout)."""
+        buf = self.buf if flat is None else flat
+        for (name, offset, nbytes), dtype, t in zip(self.entries, self.dtypes, state.values()):
+            yield t, buf[offset:offset + nbytes].view(dtype).view(t.shape)
 
     def bind(self, params: dict, *, copy: bool) -> None:
         """Point every tensor of `params` at its slice of the buffer (after copying its values
         there when `copy`): the tensors then live in the shared pages, and in-place updates of them
         (an optimizer step) are what every process that bound the same buffer reads."""
-        import torch
-
         with torch.no_grad():
             for t, view in self._views(params):
                 if copy:
@@ -119,23 +122,50 @@ class SharedWeights:
                                "refusing stale weights")
 
     def write(self, state: dict, version: int) -> int:
-        """Copy `state` (the trainer's tensors, any device) into the buffer, then stamp the version."""
+        """Copy `state` (the trainer's tensors, any device and dtype) into the buffer, cast to the
+        buffer's dtypes, then stamp the version."""
         self.head[0] = -1  # being written: no version a reader expects
-        for t, view in self._views(state):
-            view.copy_(t.detach())
+        tensors = list(state.values())
+        if tensors and tensors[0].is_cuda:  # cast on the GPU into one staging buffer, then one copy to the host
+            flat = torch.empty(self.total, dtype=torch.uint8, device=tensors[0].device)
+            for t, view in self._views(state, flat):
+                view.copy_(t.detach())
+            self._pin()
+            self.buf[HEADER:].copy_(flat[HEADER:])
+        else:
+            for t, view in self._views(state):
+                view.copy_(t.detach())
         self.head[1] = self.digest
         self.head[0] = version
         return self.total - HEADER
 
+    def _pin(self) -> None:
+        """Page-lock the mapped buffer for the GPU (cudaHostRegister), once, so copies between it and
+        the device run at DMA speed instead of through pageable staging; left as it is where the
+        driver refuses (the copies then stay correct, only slower)."""
+        if self._pinned is None:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.total, 0))
+                self._pinned = True
+            except Exception:  # noqa: BLE001 - an optimisation only
+                self._pinned = False
+
     def read_into(self, state: dict, version: int) -> int:
         """Copy the buffer into `state` (the replica's own tensors) after checking that it holds
         `version` of the same layout; a mismatch raises (stale or foreign weights are never used)."""
-        import torch
 
         self.check(version)
+        tensors = list(state.values())
         with torch.no_grad():
-            for t, view in self._views(state):
-                t.copy_(view)
+            if tensors and tensors[0].is_cuda:  # one copy to the GPU, then each tensor from its slice there
+                flat = torch.empty(self.total, dtype=torch.uint8, device=tensors[0].device)
+                self._pin()
+                flat[HEADER:].copy_(self.buf[HEADER:])
+                for t, view in self._views(state, flat):
+                    t.copy_(view)
+            else:
+                for t, view in self._views(state):
+                    t.copy_(view)
         return self.total - HEADER
 
 
@@ -152,6 +182,8 @@ def sync_weights(trainer, rollouts: list, *, shared: bool | None = None) -> dict
 
 def wait_loads(loads: list) -> list[int]:
     """The bytes each replica took, once it has loaded them (`start_sync`'s list)."""
+    import ray
+
     refs = [x for x in loads if isinstance(x, ray.ObjectRef)]
     done = iter(ray.get(refs))
     return [int(next(done)) if isinstance(x, ray.ObjectRef) else int(x) for x in loads]
@@ -183,6 +215,8 @@ def _remove_file_once_mapped(trainer) -> None:
     """Once every replica of the first shared round has loaded (so mapped the file), the trainer
     removes the file: the mappings stay, and nothing is left in /dev/shm after the run. Live, those
     replicas are from then on bound to the trainer's parameters (`start_sync` sends them nothing)."""
+    import ray
+
     key = trainer._actor_id.hex()
     refs, replicas, written = _FIRST_ROUND.get(key) or ([], [], None)
     if refs and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs):
@@ -193,6 +227,8 @@ def _remove_file_once_mapped(trainer) -> None:
 
 
 def _node(actor) -> str:
+    import ray
+
     key = actor._actor_id.hex()
     if key not in _NODES:
         _NODES[key] = ray.get(actor.node_id.remote())

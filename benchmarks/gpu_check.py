@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import time
 import types
@@ -42,6 +43,9 @@ def _import_raypai() -> None:
     pkg = types.ModuleType("raypai")
     pkg.__path__ = [str(ROOT / "platform" / "raypai"), str(ROOT)]  # raypai.alignment → alignment/, ...
     sys.modules["raypai"] = pkg
+    train = types.ModuleType("raypai.train")  # its __init__ loads Ray Train; the roles need train/clipping.py only
+    train.__path__ = [str(ROOT / "train")]
+    sys.modules["raypai.train"] = train
 
 
 _import_raypai()
@@ -392,13 +396,87 @@ def check_offload(model, opt) -> None:
          wake_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["wake_s"], 1e-9), 1))
 
 
+def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
+    """Issue #14's colocated GPU roles, in one process (no Ray there): the policy trainer (DeepSpeed
+    ZeRO 0, fp32 weights, bf16 autocast), a bf16 rollout and a bf16 reference on one GPU, taking
+    turns as synchronous GRPO does with `gpus` set: sync (bf16 through host shared memory), trainer
+    asleep while the rollout samples 8 prompts × 8 with the CUDA-graph engine, wake, reference,
+    update. Checks the replica's weights equal the trainer's rounded to bf16 after each sync and
+    that sleep/wake leaves the trainer bitwise unchanged; seconds per phase; one batch with
+    `rollout_engine="hf"` for comparison. Needs DeepSpeed (carried as a wheel there)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.reference import Reference
+    from raypai.alignment.roles.rollout import Rollout
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    folder = build_tiny_model(Path(tempfile.mkdtemp()) / "m", family="qwen2")  # a ChatML tokenizer
+    big = _qwen2_half_b()
+    tok_cfg = AutoModelForCausalLM.from_pretrained(folder).config
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(big.config, k, getattr(tok_cfg, k, None))
+    big.save_pretrained(folder)
+    del big
+    policy = PolicyTrainer(folder, 1e-6, device="cuda", sync_dtype="bfloat16")
+    rollout = Rollout(folder, device="cuda")
+    reference = Reference(folder, device="cuda")
+    prompts = [f"{a}+{b}=" for a, b in zip(range(10, 18), range(30, 38))]
+    rows, exact_sync, exact_wake = [], True, True
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    for step in range(steps):
+        r = {}
+        _, r["sync_s"] = timed(lambda: rollout.load_shared(policy.write_shared()))
+        trainer = {k: v.to(torch.bfloat16) for k, v in policy.engine.module.state_dict().items()}
+        exact_sync &= all(torch.equal(v, trainer[k]) for k, v in rollout.model.state_dict().items())
+        before = {k: v.clone() for k, v in policy.engine.module.state_dict().items()}
+        resident = torch.cuda.memory_allocated()
+        off, r["sleep_s"] = timed(policy.sleep)
+        r["freed_gb"] = round((resident - torch.cuda.memory_allocated()) / 1e9, 2)
+        out, r["rollout_s"] = timed(lambda: rollout.generate(prompts, n=8, max_new_tokens=new_tokens))
+        _, r["wake_s"] = timed(policy.wake)
+        exact_wake &= all(torch.equal(v, before[k]) for k, v in policy.engine.module.state_dict().items())
+        ref, r["reference_s"] = timed(lambda: reference.logprobs(out["batch"]))
+        adv = torch.randn(64)
+        m, r["train_s"] = timed(lambda: policy.grpo_step(out["batch"], None, ref, adv, 0.2, None, 0.0, "dapo",
+                                                        new_tokens))
+        r["tokens"] = int(out["batch"]["response_mask"].sum())
+        r["grad_norm"] = round(m["grad_norm"], 4)
+        r["offload_gb"] = round(off["offload_bytes"] / 1e9, 2)
+        rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+    steady = rows[1:]
+    med = {k: sorted(x[k] for x in steady)[len(steady) // 2] for k in ("sync_s", "sleep_s", "rollout_s", "wake_s",
+                                                                        "reference_s", "train_s")}
+    step_s = sum(med.values())
+    hf = Rollout(folder, device="cuda", engine="hf")
+    hf.load_shared(policy.write_shared())
+    hf.generate(prompts[:1], n=2, max_new_tokens=4)  # warm-up
+    out, hf_s = timed(lambda: hf.generate(prompts, n=8, max_new_tokens=new_tokens))
+    emit(check="colocated_gpu_roles_grpo_qwen2_0.5b", ok=exact_sync and exact_wake and all(
+        math.isfinite(x["grad_norm"]) for x in rows), steps=steps, rows_per_step=64,
+         replica_equals_trainer_in_bf16_after_every_sync=exact_sync, trainer_bitwise_equal_after_every_wake=exact_wake,
+         steady_median_s=med, step_s=round(step_s, 3), samples_per_s=round(64 / step_s, 1),
+         generated_tokens_per_s=round(steady[-1]["tokens"] / med["rollout_s"]),
+         hf_engine_rollout_s=round(hf_s, 3), hf_engine_tokens_per_s=round(int(out["batch"]["response_mask"].sum()) / hf_s),
+         per_step=rows, peak_memory_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         emit(check="cuda_available", ok=False, reason="no CUDA device: run this on a GPU machine")
         return 1
     emit(check="device", ok=True, name=torch.cuda.get_device_name(0), torch=torch.__version__,
          transformers=__import__("transformers").__version__)
-    checks = (check_losses, check_training, check_serving, check_rollout, check_update)
+    checks = (check_losses, check_training, check_serving, check_rollout, check_update, check_roles)
     if len(sys.argv) > 1:
         checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")
     for fn in checks:

@@ -1,4 +1,5 @@
-"""A single-process DeepSpeed engine inside an actor (CPU: gloo, fp32, torch optimizer)."""
+"""A single-process DeepSpeed engine inside an actor: fp32 weights and a torch AdamW (CPU: gloo and
+the fused kernel; CUDA: NCCL, and the role runs its forward under bf16 autocast, `roles._device`)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
-    # CPU: torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop)
-    fused = {} if use_gpu else {"fused": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, **fused)
+    # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
+    # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed
+    # precision, so the optimizer, clipping and sleep/wake see plain fp32 tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
     conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": grad_clip,
             "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9, "bf16": {"enabled": use_gpu}}
+            "steps_per_print": 10**9}
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips and keeps the norm (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
     engine.raypai_max_norm = max_norm

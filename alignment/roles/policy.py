@@ -10,6 +10,7 @@ import torch
 
 from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
+from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device, to_device
 from raypai.alignment.roles._engine import make_engine, step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
@@ -36,21 +37,27 @@ def _stack_right_padded(a: dict, b: dict) -> dict:
 
 class PolicyTrainer:
     def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
-                 live_weights: bool = False):
+                 live_weights: bool = False, device: str = "cpu", sync_dtype: str | None = None):
         """`live_weights`: keep the parameters in a shared-memory buffer that same-node rollout
         replicas bind to (raypai.alignment.sync, "live shared parameters"); only for loops in which
-        no replica samples while this trainer updates (the synchronous ones), and only at ZeRO
-        stage 0 (higher stages keep their own flat copies of the parameters)."""
+        no replica samples while this trainer updates (the synchronous ones), only at ZeRO
+        stage 0 (higher stages keep their own flat copies of the parameters) and only on the CPU.
+        `device`: "cpu" or "cuda" (fp32 weights, bf16 autocast; `roles._device`). `sync_dtype`: the
+        rollout replicas' weight dtype (e.g. "bfloat16" for GPU replicas), in which the weights are
+        handed over in shared memory; None: this trainer's own (fp32)."""
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.threads = threads
         self.model_dir = model_dir
+        self.device = role_device(device, "policy")
+        self.sync_dtype = sync_dtype
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
-        self._live = live_weights and zero_stage == 0
+        self._slept = None  # raypai.alignment.offload.Slept while this trainer is asleep
+        self._live = live_weights and zero_stage == 0 and self.device.type == "cpu" and sync_dtype is None
         if self._live:
             from raypai.alignment.sync import SharedWeights
 
@@ -58,18 +65,18 @@ class PolicyTrainer:
             self._shared = SharedWeights(self._shared_path(), params, create=True)
             self._shared.bind(params, copy=True)
             self._shared.stamp(0)
-        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage)
+        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage, use_gpu=self.device.type == "cuda")
         self.n_params = sum(p.numel() for p in model.parameters())
 
     @staticmethod
     def _shared_path():
+        import sys
         import uuid
-
-        import ray
 
         from raypai.alignment.sync import shared_path
 
-        actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        ray = sys.modules.get("ray")  # in an actor Ray is loaded; a role built in-process may have none
+        actor = ray.get_runtime_context().get_actor_id() if ray is not None and ray.is_initialized() else None
         return shared_path(actor[:24] if actor else uuid.uuid4().hex[:24])
 
     def _threads_for(self, *batches: dict, passes: int = 6) -> None:
@@ -84,7 +91,8 @@ class PolicyTrainer:
         # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
         # nothing here), so Llama-family models take the lean forward; `where`: only those label
         # positions are computed, the others are 0
-        return token_logprobs(self.engine.module, batch["input_ids"], batch["attention_mask"], where=where)
+        with autocast(self.device):
+            return token_logprobs(self.engine.module, batch["input_ids"], batch["attention_mask"], where=where)
 
     @staticmethod
     def _on(m: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor | None:
@@ -107,13 +115,15 @@ class PolicyTrainer:
         blocks, plus ptx_coef × their language-modelling loss (InstructGPT's "PPO-ptx" mix, Ouyang
         et al. 2022 eq. 2, used here to keep SFT from erasing what pretraining learned)."""
         self.engine.train()
+        batch, ptx = to_device(batch, self.device), maybe(ptx, self.device)
         self._threads_for(batch, *([{"attention_mask": ptx}] if ptx is not None and ptx_coef > 0 else []))
         m = batch["response_mask"]
         lp = self._lp(batch, m)
         loss = -(lp * m).sum() / m.sum()
         out = {"loss": loss.item()}
         if ptx is not None and ptx_coef > 0:
-            lm = -token_logprobs(self.engine.module, ptx, torch.ones_like(ptx)).mean()
+            with autocast(self.device):
+                lm = -token_logprobs(self.engine.module, ptx, torch.ones_like(ptx)).mean()
             loss = loss + ptx_coef * lm
             out["ptx_loss"] = lm.item()
         out["grad_norm"] = self._update(loss)
@@ -122,6 +132,8 @@ class PolicyTrainer:
     def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
                  beta: float, loss_type: str, label_smoothing: float) -> dict:
         self.engine.train()
+        chosen, rejected = to_device(chosen, self.device), to_device(rejected, self.device)
+        ref_chosen, ref_rejected = maybe(ref_chosen, self.device), maybe(ref_rejected, self.device)
         self._threads_for(chosen, rejected)
         # one forward over chosen and rejected rows together (right padding leaves each row's
         # log-probs as they are alone): half the forward/backward calls of two separate passes
@@ -139,6 +151,8 @@ class PolicyTrainer:
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
                   max_len: int | None = None) -> dict:
         self.engine.train()
+        batch, advantages = to_device(batch, self.device), advantages.to(self.device)
+        old_lp, ref_lp = maybe(old_lp, self.device), maybe(ref_lp, self.device)
         self._threads_for(batch)
         version = self.updates
         m = batch["response_mask"]
@@ -155,6 +169,7 @@ class PolicyTrainer:
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
         self.engine.train()
+        batch, old_lp, advantages = to_device(batch, self.device), old_lp.to(self.device), advantages.to(self.device)
         self._threads_for(batch)
         m = batch["response_mask"]
         lp = self._lp(batch, m)
@@ -166,15 +181,35 @@ class PolicyTrainer:
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
         self.engine.eval()
+        batch = to_device(batch, self.device)
         self._threads_for(batch, passes=2)
         with torch.no_grad():
-            return self._lp(batch, batch["response_mask"])
+            return self._lp(batch, batch["response_mask"]).cpu()
 
     def version(self) -> int:
         return self.updates
 
     def state_dict(self) -> dict:
-        return {k: v.detach().clone() for k, v in self.engine.module.state_dict().items()}
+        """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load."""
+        dtype = DTYPES.get(self.sync_dtype) if self.sync_dtype else None
+        return {k: v.detach().to("cpu", dtype).clone() for k, v in self.engine.module.state_dict().items()}
+
+    def sleep(self) -> dict:
+        """Move the weights, gradients and optimizer state off the GPU while the colocated rollout
+        works (raypai.alignment.offload); a no-op on the CPU. Returns offload_bytes and offload_seconds."""
+        from raypai.alignment.offload import sleep
+
+        if self.device.type == "cpu" or self._slept is not None:
+            return {"offload_bytes": 0, "offload_seconds": 0.0}
+        self._slept = sleep(self.engine.module, self.engine.optimizer)
+        return {"offload_bytes": self._slept.bytes, "offload_seconds": self._slept.seconds}
+
+    def wake(self) -> float:
+        """Back on the GPU, bitwise as before `sleep` (seconds; 0 when awake)."""
+        if self._slept is None:
+            return 0.0
+        seconds, self._slept = self._slept.wake(), None
+        return seconds
 
     def node_id(self) -> str:
         import ray
@@ -193,7 +228,10 @@ class PolicyTrainer:
             return self._shared.path, self.updates, True
         state = self.engine.module.state_dict()
         if self._shared is None:
-            self._shared = SharedWeights(self._shared_path(), state, create=True)
+            # the layout in the replicas' dtype: the copy into the buffer casts (fp32 → bf16 for GPU replicas)
+            dtype = DTYPES.get(self.sync_dtype) if self.sync_dtype else None
+            like = {k: torch.empty(v.shape, dtype=dtype or v.dtype, device="meta") for k, v in state.items()}
+            self._shared = SharedWeights(self._shared_path(), like, create=True)
         self._shared.write(state, self.updates)
         return self._shared.path, self.updates, False
 

@@ -5,17 +5,24 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment._tensors import token_logprobs
+from raypai.alignment.roles._device import inference_dtype, release, role_device, to_device
 
 
 class Reference:
-    def __init__(self, model_dir: str, threads: int = 1):
+    def __init__(self, model_dir: str, threads: int = 1, device: str = "cpu", dtype: str | None = None):
+        """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU)."""
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.device = role_device(device, "reference")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device,
+                                                                         inference_dtype(self.device, dtype)).eval()
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere: every caller
-        masks them, so the head runs on those positions only and each shared prompt once."""
-        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], where=batch["response_mask"])
+        masks them, so the head runs on those positions only and each shared prompt once. Float32, on the host."""
+        b = to_device(batch, self.device)
+        lp = token_logprobs(self.model, b["input_ids"], b["attention_mask"], where=b["response_mask"]).cpu()
+        release(self.device)
+        return lp

@@ -13,22 +13,30 @@ import torch
 from raypai.alignment._decode import decode, left_pad
 from raypai.alignment._tensors import pad, token_logprobs
 from raypai.alignment.config import ROLLOUT_ENGINES
+from raypai.alignment.roles._device import inference_dtype, release, role_device, to_device
 from raypai.chat import ChatFormat
 from raypai.errors import ConfigError
 
 
 class Rollout:
-    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai"):
+    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai", device: str = "cpu",
+                 dtype: str | None = None):
+        """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU).
+        On CUDA the raypai engine replays its decoding step as a CUDA graph (`_decode`)."""
         from transformers import AutoModelForCausalLM
 
         if engine not in ROLLOUT_ENGINES:
             raise ConfigError([f"rollout engine {engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}"], what="rollout")
         self.engine = engine
+        self.device = role_device(device, "rollout")
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # HF sampling draws from the global generator; its state is checkpointed
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
         self.fmt = ChatFormat.from_pretrained(model_dir)
         self.tok = self.fmt.tok
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device,
+                                                                         inference_dtype(self.device, dtype)).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
         self._shared = None  # the trainer's shared-memory weights, mapped at the first same-node sync
         self._live = False  # parameters bound to the trainer's own (live shared parameters)
@@ -100,8 +108,8 @@ class Rollout:
                 lp[i, len(p) - 1:len(p) - 1 + len(row)] = row
             out["logprobs"] = lp
         elif logprobs:
-            out["logprobs"] = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                             where=batch["response_mask"])
+            out["logprobs"] = self.logprobs(batch)
+        release(self.device)  # the KV cache's blocks go back to the GPU, for the colocated trainer
         return out
 
     def _hf_generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p) -> tuple[list[list[int]], int]:
@@ -136,13 +144,19 @@ class Rollout:
                                for s in bad], what="rollout stop tokens")
         return [vocab[s] for s in stop]
 
-    def rng_state(self) -> torch.Tensor:
-        return torch.get_rng_state()
+    def rng_state(self):
+        """The generators sampling draws from: the CPU's, and on CUDA the device's as well."""
+        return torch.get_rng_state() if self.device.type == "cpu" else [torch.get_rng_state(), torch.cuda.get_rng_state()]
 
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        torch.set_rng_state(state)
+    def set_rng_state(self, state) -> None:
+        if isinstance(state, torch.Tensor):
+            torch.set_rng_state(state)
+        else:
+            torch.set_rng_state(state[0])
+            torch.cuda.set_rng_state(state[1])
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
-        """(B, T−1) log-probs of the response tokens under the loaded weights, 0 elsewhere."""
-        return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], where=batch["response_mask"])
+        """(B, T−1) log-probs of the response tokens under the loaded weights, 0 elsewhere (float32, on the host)."""
+        b = to_device(batch, self.device)
+        return token_logprobs(self.model, b["input_ids"], b["attention_mask"], where=b["response_mask"]).cpu()

@@ -1,6 +1,7 @@
 """Typed configs: every problem reported at once, before any actor starts (no Ray needed)."""
 
 import pytest
+import torch
 
 from raypai.alignment import DPOConfig, GRPOConfig, PPOConfig
 from raypai.alignment import config as C
@@ -69,14 +70,27 @@ def test_numbers_written_as_text_are_read_and_wrong_types_named(tmp_path):
         _read_config(tmp_path / "bad.yaml")
 
 
-def test_a_role_asking_for_a_gpu_is_refused_before_anything_is_reserved():
-    """The role actors compute on CPUs only: a GPU request is refused, naming the role, instead of
-    reserving a GPU the role would leave idle (no Ray is needed to refuse)."""
+def test_gpu_requests_a_role_cannot_use_are_refused_naming_the_role_and_the_fix():
+    """A role is one process on one device: more than one GPU for a role is refused, naming it,
+    before anything is reserved (no Ray needed); a GRPO config asks for a share of one GPU, and not
+    with async rollout (rollout and update would run at once on one device); a role placed with a
+    GPU whose torch sees none says so, naming the role and the fix."""
+    from raypai.alignment.config import GRPOConfig
     from raypai.alignment.placement import Placement, RoleSpec
+    from raypai.alignment.roles._device import role_device
 
     with pytest.raises(ConfigError) as err:
-        Placement("gpu-test", {"policy": RoleSpec(cpus=1, gpus=1), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
+        Placement("gpu-test", {"policy": RoleSpec(cpus=1, gpus=2), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
                                "reward": RoleSpec(cpus=0.25)})
-    text = str(err.value)
-    assert "role 'policy' asks for 1 GPU(s)" in text and "role 'rollout' asks for 0.5 GPU(s)" in text
-    assert "'reward'" not in text and "run on CPUs only" in text
+    assert err.value.problems == ["role 'policy' asks for 2 GPUs: a role runs in one process on one device, so give "
+                                  "it at most 1 (a fraction shares one GPU)"]
+    with pytest.raises(ConfigError, match=r"GRPOConfig.gpus must be in \[0, 1\] \(got 2\)"):
+        GRPOConfig(gpus=2).validate()
+    with pytest.raises(ConfigError, match="gpus with async_rollout=True is not supported"):
+        GRPOConfig(gpus=1, async_rollout=True).validate()
+    assert GRPOConfig(gpus=0.5).validate().gpus == 0.5
+    if not torch.cuda.is_available():  # the message a CPU-only torch gives a GPU-placed role
+        with pytest.raises(ConfigError, match="role 'rollout' was placed with a GPU, but torch in its actor sees "
+                                              "no CUDA device .*install a CUDA build of torch"):
+            role_device("cuda", "rollout")
+    assert role_device("cpu", "rollout").type == "cpu"

@@ -19,11 +19,10 @@ import time
 
 import httpx
 import pytest
-import ray
 import torch
 
 from raypai.alignment import DPOConfig, GRPOConfig, SFTConfig, run_dpo, run_grpo, run_sft
-from raypai.alignment.data import load, split
+from raypai.alignment.data import load
 from raypai.alignment.tasks import arithmetic as ar
 from raypai.alignment.tasks.tiny import build_tiny_model
 from raypai.chat import ChatFormat

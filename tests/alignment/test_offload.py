@@ -11,7 +11,7 @@ from raypai.alignment.offload import sleep
 from raypai.errors import TrainError
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (run on the lent H200 in session 25: 15 passed; benchmarks/gpu_check.py update times sleep/wake there)")])
+    not torch.cuda.is_available(), reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")])
 DEVICES = ["cpu", CUDA]
 
 
@@ -92,7 +92,7 @@ def test_round_trip_is_bitwise_and_keeps_every_object(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device (run on the lent H200 in session 25: 15 passed; benchmarks/gpu_check.py update times sleep/wake there)")
+                    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")
 def test_sleep_hands_the_memory_back_to_the_device():
     """The freed blocks leave torch's cache too, so that another process (the colocated rollout engine)
     can take them: torch's reserved memory falls by most of the 64 MiB moved (a 16 MiB weight, its
@@ -217,7 +217,7 @@ def test_an_optimizer_wrapped_as_dot_optimizer_is_reached(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device (run on the lent H200 in session 25: 15 passed; benchmarks/gpu_check.py update times sleep/wake there)")
+                    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")
 def test_pinned_host_buffers_are_reused_by_the_next_sleep():
     """The second sleep copies into the pages the first one pinned; pin=False copies into fresh, unpinned
     memory and keeps nothing."""

@@ -186,6 +186,46 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
 def test_a_placement_that_cannot_fit_fails_at_once_naming_the_shortfall(ray_align):
     with pytest.raises(ConfigError, match=r"CPU: the roles of 'huge' need 100, the cluster has 8"):
         Placement("huge", {"policy": RoleSpec(cpus=100)})
+    # GPU roles on a cluster without GPUs: the shortfall and both ways out, before anything is reserved
+    with pytest.raises(ConfigError) as err:
+        Placement("gpu-run", {"policy": RoleSpec(cpus=1, gpus=0.5), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
+                              "reward": RoleSpec(cpus=0.25)}, colocate=(("policy", "rollout", "reward"),))
+    assert err.value.problems[0] == "GPU: the roles of 'gpu-run' need 1, the cluster has 0"
+    assert "gpus=0" in str(err.value) and "more logical CPUs" not in str(err.value)
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["name"] == "gpu-run-roles"]
+
+
+def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_align, tiny_model):
+    """What a GPU run's sync does, on CPUs: the trainer (fp32) hands its weights to a bf16 replica
+    through shared memory in bf16 (half the bytes of fp32), and the replica's weights are then exactly
+    the trainer's rounded to bf16, after every update; the trainer's host copy (`state_dict`, what
+    replicas on other nodes load) is in bf16 too. Sleep and wake are no-ops on the CPU."""
+    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5)}
+    place = Placement("bf16-sync-test", specs, colocate=(tuple(specs),))
+    try:
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2, live_weights=True, sync_dtype="bfloat16")
+        [rollout] = place.place("rollout", Rollout, tiny_model, dtype="bfloat16")
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
+        fp32 = lambda self: {k: v.clone() for k, v in self.engine.module.state_dict().items()}  # noqa: E731
+        replica = lambda self: {k: v.clone() for k, v in self.model.state_dict().items()}  # noqa: E731
+        n_bytes = sum(v.numel() * 2 for v in ray.get(policy.__ray_call__.remote(fp32)).values())
+        for _ in range(2):
+            ray.get(policy.sft_step.remote(batch))
+            stats = sync_weights(policy, [rollout])
+            assert stats["sync_bytes"] >= n_bytes  # bf16 (tensors aligned to 64 bytes each)
+            assert stats["sync_bytes"] < n_bytes * 1.1
+            trainer, got = ray.get(policy.__ray_call__.remote(fp32)), ray.get(rollout.__ray_call__.remote(replica))
+            assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16))
+                       for k, v in trainer.items())
+            assert not all(torch.equal(got[k].float(), v) for k, v in trainer.items())  # rounded, not fp32
+        host = ray.get(policy.state_dict.remote())
+        assert all(host[k].dtype == torch.bfloat16 and torch.equal(host[k], v.to(torch.bfloat16))
+                   for k, v in trainer.items())
+        assert ray.get(policy.sleep.remote()) == {"offload_bytes": 0, "offload_seconds": 0.0}
+        assert ray.get(policy.wake.remote()) == 0.0
+    finally:
+        place.shutdown()
 
 
 def test_colocated_roles_share_one_bundle(ray_align):
