@@ -4,6 +4,7 @@ section timer and the run summary."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -131,3 +132,21 @@ def mean_of(history: list[dict], keys) -> dict:
 
 def to_tensor(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
+
+
+@contextmanager
+def asleep(trainers: list, on_gpu: bool):
+    """The block (the rollout sampling) runs with the trainers' weights, gradients and optimizer
+    state in host memory, so the colocated rollout has the GPU's memory for its KV cache; each
+    trainer's wake is queued after, ahead of its next update (an actor runs its calls in order).
+    Yields offload_bytes (summed) and offload_seconds (the slowest sleep). CPU runs: nothing happens."""
+    if not on_gpu:
+        yield {}
+        return
+    slept = ray.get([t.sleep.remote() for t in trainers])
+    try:
+        yield {"offload_bytes": sum(s["offload_bytes"] for s in slept),
+               "offload_seconds": max(s["offload_seconds"] for s in slept)}
+    finally:
+        for t in trainers:
+            t.wake.remote()

@@ -29,6 +29,10 @@ def _positive(cfg, names, problems):
     if engine not in ROLLOUT_ENGINES:
         problems.append(f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
                         f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive)")
+    gpus = getattr(cfg, "gpus", 0)
+    if not 0 <= gpus <= 1:
+        problems.append(f"{type(cfg).__name__}.gpus must be in [0, 1] (got {gpus:g}): the roles of a run share one "
+                        "GPU and take turns on it (0 runs them on CPUs)")
     zero = getattr(cfg, "zero_stage", 0)
     if zero not in (0, 1, 2):
         problems.append(f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
@@ -47,6 +51,8 @@ class SFTConfig:
     max_length: int = 0  # tokens per example; 0 = the model's context length
     truncation: str = "refuse"  # refuse (DataError naming the example) | truncate (cut, counted)
     ptx_coef: float = 0.0  # weight of the pretraining LM loss mixed in when pretraining blocks are given
+    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
+    gpus: float = 0.0
 
     def validate(self):
         p = []
@@ -93,6 +99,8 @@ class DPOConfig:
     rollout_engine: str = "raypai"  # online DPO's sampler: "raypai" | "hf"
     max_length: int = 0
     truncation: str = "refuse"
+    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
+    gpus: float = 0.0
 
     def validate(self):
         p = []
@@ -150,9 +158,6 @@ class GRPOConfig:
         p = []
         _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
                          "checkpoint_every", "rollout_replicas"), p)
-        if not 0 <= self.gpus <= 1:
-            p.append(f"GRPOConfig.gpus must be in [0, 1] (got {self.gpus:g}): the colocated roles share one GPU "
-                     "(0 runs them on CPUs)")
         if self.gpus and self.async_rollout:
             p.append("GRPOConfig.gpus with async_rollout=True is not supported: async rollout samples while the "
                      "trainer updates, so the two cannot take turns on one GPU; use async_rollout=False on a GPU")
@@ -201,6 +206,8 @@ class PPOConfig:
     reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
     max_length: int = 0
     truncation: str = "refuse"
+    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
+    gpus: float = 0.0
 
     def validate(self):
         p = []

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import sample, score
+from raypai.alignment._loop import asleep, sample, score
 from raypai.alignment._tensors import encode_pairs, pad, sequence_logprob
 from raypai.alignment.config import DPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -76,9 +76,11 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     if not cfg.online:
         all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
     pad_id = fmt.tok.pad_token_id
-    specs = {"policy": RoleSpec(cpus=1), "reference": RoleSpec(cpus=0.5)}
+    g = cfg.gpus  # on a GPU: the trainer half of it, the reference (and online, the rollout) the rest
+    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2), "reference": RoleSpec(cpus=0.5, gpus=g / 4 if cfg.online else g / 2)}
     if cfg.online:
-        specs.update(rollout=RoleSpec(cpus=0.5), reward=RoleSpec(cpus=0.25))
+        specs.update(rollout=RoleSpec(cpus=0.5, gpus=g / 4), reward=RoleSpec(cpus=0.25))
+    device = "cuda" if g else "cpu"
     # the roles take turns (reference log-probs first, or per step before the update): one shared bundle,
     # and each role works with all of its CPUs
     place = Placement(run_name, specs, colocate=(tuple(specs),))
@@ -86,13 +88,14 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     try:
         # online: sampling and updates take turns, so the replica reads the trainer's own parameters
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads,
-                               live_weights=cfg.online)
-        [reference] = place.place("reference", Reference, model_dir, threads=threads)
+                               live_weights=cfg.online, device=device, sync_dtype="bfloat16" if g else None)
+        [reference] = place.place("reference", Reference, model_dir, threads=threads, device=device)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         rng = random.Random(cfg.seed)
         if cfg.online:
-            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine)
+            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
+                                    device=device)
             [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None
@@ -108,8 +111,9 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
 
         for step in range(1, cfg.steps + 1):
             if cfg.online:
-                s = sample([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
-                           pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                with asleep([policy], on_gpu=bool(g)) as offload:  # on a GPU the trainer sleeps while sampling
+                    s = sample([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
+                               pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
                 scores = score(reward, s.prompts, s.completions, s.rows)["total"]
                 idx_pairs = best_vs_worst_index(scores, cfg.num_samples)
                 if not idx_pairs:  # every group tied: no preference to learn from this step
@@ -120,7 +124,8 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
                 ref = ChosenRejected(_seq_lp(reference, c), _seq_lp(reference, r))
                 m = ray.get(policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
                                                    cfg.label_smoothing))
-                m.update(pairs=len(idx_pairs), reward_mean=sum(scores) / len(scores), **sync_weights(policy, [rollout]))
+                m.update(pairs=len(idx_pairs), reward_mean=sum(scores) / len(scores), **offload,
+                         **sync_weights(policy, [rollout]))
                 log(step, m)
                 continue
             idx = [rng.randrange(len(pairs)) for _ in range(cfg.batch_size)]

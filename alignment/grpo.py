@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, collect, launch, mean_of, response_length, score, throughput, to_tensor
+from raypai.alignment._loop import Sections, asleep, collect, launch, mean_of, response_length, score, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import GRPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -109,13 +109,9 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                     s = collect(pending, pad_id=pad_id)
                     pending = (launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen)
                                if step < cfg.steps else None)
-                else:
-                    # on a GPU the trainer sleeps while the replicas sample (they get its memory for
-                    # their KV caches) and wakes before its update (queued ahead of it on the trainer)
-                    offload = ray.get(policy.sleep.remote()) if g else {}
-                    s = collect(launch(rollouts, pick(), cfg.group_size, **gen), pad_id=pad_id)
-                    if g:
-                        policy.wake.remote()
+                else:  # on a GPU the trainer sleeps while the replicas sample
+                    with asleep([policy], on_gpu=bool(g)) as offload:
+                        s = collect(launch(rollouts, pick(), cfg.group_size, **gen), pad_id=pad_id)
             # reference and reward work in parallel; time_reference is the wait left after the rewards
             ref_lp = reference.logprobs.remote(s.batch) if cfg.beta else None
             # old log-probs: async, the sampling weights' (off-policy ratio); μ = 1 on-policy, the

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment._loop import Sections, asleep, mean_of, response_length, sample, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import PPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -49,16 +49,23 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
     pad_id = fmt.tok.pad_token_id
-    place = Placement(run_name, {"policy": RoleSpec(cpus=1), "critic": RoleSpec(cpus=0.5),
-                                 "rollout": RoleSpec(cpus=0.5, replicas=cfg.rollout_replicas),
-                                 "reference": RoleSpec(cpus=0.5), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)})
+    g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
+    specs = {"policy": RoleSpec(cpus=1, gpus=0.4 * g), "critic": RoleSpec(cpus=0.5, gpus=0.2 * g),
+             "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
+             "reference": RoleSpec(cpus=0.5, gpus=0.2 * g), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    device = "cuda" if g else "cpu"
+    # the roles take turns on one GPU, so they share a bundle there; on CPUs each keeps its own
+    place = Placement(run_name, specs, colocate=(tuple(specs),) if g else ())
     try:
-        # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync)
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, live_weights=True)
-        [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed)
-        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine,
+        # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
+        # on a GPU, a bf16 copy through host shared memory)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, live_weights=True,
+                               device=device, sync_dtype="bfloat16" if g else None)
+        [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed,
+                               device=device)
+        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine, device=device,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
-        [reference] = place.place("reference", Reference, model_dir)
+        [reference] = place.place("reference", Reference, model_dir, device=device)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)
         rng = random.Random(cfg.seed)
@@ -70,7 +77,7 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
         history = []
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
-            with t("time_rollout"):
+            with t("time_rollout"), asleep([policy, critic], on_gpu=bool(g)) as offload:
                 s = sample(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), 1, pad_id=pad_id,
                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
             with t("time_score"):  # four roles work on the same batch in parallel
@@ -90,7 +97,7 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
                 sync = sync_weights(policy, rollouts)
             metrics = {"reward_mean": score.mean().item(), "reward_std": score.std().item(),
                        "kl": masked_mean(old_lp - ref_lp, mask).item(), **pm, **vm,
-                       "response_length": response_length(s.batch), **sync, **t.seconds,
+                       "response_length": response_length(s.batch), **sync, **t.seconds, **offload,
                        "samples": len(s.completions),
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
             if step % cfg.eval_every == 0:

@@ -54,9 +54,10 @@ def run_sft(model_dir: str, out_dir: str, train: list, held_out: list, cfg: SFTC
     enc_train = encode_all(fmt, train, trunc, "training")  # every example checked before any actor starts
     enc_eval = encode_all(fmt, held_out, trunc, "held-out")
     pad_id = fmt.tok.pad_token_id
-    place = Placement(run_name, {"policy": RoleSpec(cpus=1)})
+    place = Placement(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)})
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
+                               device="cuda" if cfg.gpus else "cpu")
         before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
         for step in range(1, cfg.steps + 1):

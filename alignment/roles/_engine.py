@@ -49,3 +49,28 @@ def step(engine) -> float:
     clip(engine, engine.raypai_max_norm)
     engine.step()
     return grad_norm(engine)
+
+
+class Sleeps:
+    """sleep()/wake() for a role holding a DeepSpeed `engine` on `self.device`: while a colocated
+    role works on the same GPU, this one's weights, gradients and optimizer state wait in host
+    memory (raypai.alignment.offload). On the CPU both are no-ops."""
+
+    device = None
+    _slept = None
+
+    def sleep(self) -> dict:
+        """Returns offload_bytes and offload_seconds (0 on the CPU or when already asleep)."""
+        from raypai.alignment.offload import sleep
+
+        if self.device is None or self.device.type == "cpu" or self._slept is not None:
+            return {"offload_bytes": 0, "offload_seconds": 0.0}
+        self._slept = sleep(self.engine.module, self.engine.optimizer)
+        return {"offload_bytes": self._slept.bytes, "offload_seconds": self._slept.seconds}
+
+    def wake(self) -> float:
+        """Back on the GPU, bitwise as before `sleep` (seconds; 0 when awake)."""
+        if self._slept is None:
+            return 0.0
+        seconds, self._slept = self._slept.wake(), None
+        return seconds

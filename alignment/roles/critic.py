@@ -7,30 +7,38 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment.losses import clipped_value_loss
-from raypai.alignment.roles._engine import make_engine, step as engine_step
+from raypai.alignment.roles._device import autocast, role_device, to_device
+from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
 
 
-class Critic:
-    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1):
+class Critic(Sleeps):
+    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
+                 device: str = "cpu"):
+        """`device`: "cpu" or "cuda" (fp32 weights, bf16 autocast, as the policy trainer)."""
         from transformers import AutoModelForTokenClassification, AutoTokenizer
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1)
+        self.device = role_device(device, "critic")
+        model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1).to(self.device)
         model.config.pad_token_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage)
+        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage, use_gpu=self.device.type == "cuda")
 
     def _values(self, batch: dict) -> torch.Tensor:
         # the value of the state *before* token t+1, aligned with the label positions: (B, T−1)
-        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+        with autocast(self.device):
+            out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.logits[:, :-1, 0].float()
 
     def values(self, batch: dict) -> torch.Tensor:
         self.engine.eval()
         with torch.no_grad():
-            return self._values(batch)
+            return self._values(to_device(batch, self.device)).cpu()
 
     def train_step(self, batch: dict, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> dict:
         self.engine.train()
+        batch = to_device(batch, self.device)
+        old_values, returns = old_values.to(self.device), returns.to(self.device)
         loss = clipped_value_loss(self._values(batch), old_values, returns, batch["response_mask"], clip)
         self.engine.backward(loss)
         return {"value_loss": loss.item(), "value_grad_norm": engine_step(self.engine)}

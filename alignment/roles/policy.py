@@ -11,7 +11,7 @@ import torch
 from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device, to_device
-from raypai.alignment.roles._engine import make_engine, step as engine_step
+from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
@@ -35,7 +35,7 @@ def _stack_right_padded(a: dict, b: dict) -> dict:
             "response_mask": torch.cat([widen(a["response_mask"], T - 1), widen(b["response_mask"], T - 1)])}
 
 
-class PolicyTrainer:
+class PolicyTrainer(Sleeps):
     def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
                  live_weights: bool = False, device: str = "cpu", sync_dtype: str | None = None):
         """`live_weights`: keep the parameters in a shared-memory buffer that same-node rollout
@@ -56,7 +56,6 @@ class PolicyTrainer:
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
-        self._slept = None  # raypai.alignment.offload.Slept while this trainer is asleep
         self._live = live_weights and zero_stage == 0 and self.device.type == "cpu" and sync_dtype is None
         if self._live:
             from raypai.alignment.sync import SharedWeights
@@ -193,23 +192,6 @@ class PolicyTrainer:
         """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load."""
         dtype = DTYPES.get(self.sync_dtype) if self.sync_dtype else None
         return {k: v.detach().to("cpu", dtype).clone() for k, v in self.engine.module.state_dict().items()}
-
-    def sleep(self) -> dict:
-        """Move the weights, gradients and optimizer state off the GPU while the colocated rollout
-        works (raypai.alignment.offload); a no-op on the CPU. Returns offload_bytes and offload_seconds."""
-        from raypai.alignment.offload import sleep
-
-        if self.device.type == "cpu" or self._slept is not None:
-            return {"offload_bytes": 0, "offload_seconds": 0.0}
-        self._slept = sleep(self.engine.module, self.engine.optimizer)
-        return {"offload_bytes": self._slept.bytes, "offload_seconds": self._slept.seconds}
-
-    def wake(self) -> float:
-        """Back on the GPU, bitwise as before `sleep` (seconds; 0 when awake)."""
-        if self._slept is None:
-            return 0.0
-        seconds, self._slept = self._slept.wake(), None
-        return seconds
 
     def node_id(self) -> str:
         import ray

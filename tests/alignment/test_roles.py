@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from raypai.chat import ChatFormat
 
+from raypai.alignment._loop import asleep
 from raypai.alignment._tensors import encode_sft
 from raypai.alignment.data import sft_examples
 from raypai.alignment.placement import Placement, RoleSpec
@@ -222,7 +223,12 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
         host = ray.get(policy.state_dict.remote())
         assert all(host[k].dtype == torch.bfloat16 and torch.equal(host[k], v.to(torch.bfloat16))
                    for k, v in trainer.items())
-        assert ray.get(policy.sleep.remote()) == {"offload_bytes": 0, "offload_seconds": 0.0}
+        # the loops' sleep/wake around sampling (`_loop.asleep`), here with CPU roles: nothing moves, and the
+        # trainer is awake for its next update (the moving itself: tests/alignment/test_offload.py on CUDA)
+        with asleep([policy], on_gpu=True) as offload:
+            assert offload == {"offload_bytes": 0, "offload_seconds": 0.0}
+            ray.get(rollout.generate.remote(["1+2="], n=2))
+        assert ray.get(policy.sft_step.remote(batch))["grad_norm"] > 0
         assert ray.get(policy.wake.remote()) == 0.0
     finally:
         place.shutdown()
