@@ -19,7 +19,12 @@ PyTorch and transformers but no Ray, DeepSpeed or MLflow (the session's lent GPU
    (`raypai.alignment.offload`): bitwise equal after wake, seconds and GB/s.
    `python benchmarks/gpu_check.py rollout` (engines) and `... update` (update and offload) run these alone.
 
-The pretraining loop (Ray Train + DeepSpeed) and the role actors cannot run there: not checked here.
+5. roles (issue #14): the colocated GPU roles of a synchronous GRPO run with `gpus=1`, in one process
+   (policy trainer, bf16 rollout, bf16 reference on one GPU): bf16 weight sync, trainer sleep/wake
+   around sampling, seconds per phase, exactness of both. Needs DeepSpeed there: carry it as a wheel
+   (`pip wheel --no-deps deepspeed==<version>` here, plus hjson and pydantic for Python 3.12).
+
+The pretraining loop (Ray Train) and the role actors as Ray actors cannot run there: not checked here.
 """
 
 from __future__ import annotations
