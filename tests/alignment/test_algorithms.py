@@ -140,7 +140,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
+def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3)
     driver = ray.remote(run_grpo).options(num_cpus=0, max_retries=0).remote(
@@ -153,7 +153,8 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(sft, tmp_path):
     trainer = ray.get_actor("t-kill/policy-0")
     # the process id from Ray's state API, not a method call on this handle: a handle looked up by name
     # while the run is busy once came without `__ray_call__`'s signature ("too many positional arguments")
-    [pid] = [a.pid for a in list_actors(filters=[("name", "=", "t-kill/policy-0"), ("state", "=", "ALIVE")])]
+    [pid] = [a.pid for a in list_actors(address=ray_align, filters=[("name", "=", "t-kill/policy-0"),
+                                                                    ("state", "=", "ALIVE")])]
     ray.kill(trainer)  # the trainer's process dies mid-run
     with pytest.raises(ray.exceptions.RayError):
         ray.get(driver)
