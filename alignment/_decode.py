@@ -13,6 +13,10 @@ Sampling is from the model's full distribution with temperature and top-p only (
 top-k: `generate` would apply generation_config's top_k=50, so the samples would not come from
 the policy whose log-probs the update uses). Works with any transformers causal LM that takes
 `position_ids` and a `DynamicCache` (Llama, Qwen2, Mistral, GPT-2, Phi-3, ...). Pure PyTorch.
+
+On CUDA the Llama-family step keeps every row in the batch and is replayed as one CUDA graph per
+token (`static`, `_lean.GraphedStep`): on a GPU a step at rollout sizes is bound by kernel
+launches, not arithmetic, so one launch per token is the speed-up, and shrinking the batch is not.
 """
 
 from __future__ import annotations
