@@ -248,22 +248,19 @@ def _qwen2_half_b():
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    att = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], att[i, width - len(p):] = torch.tensor(p), 1
-    return ids.cuda(), att.cuda()
+def _random_prompts(n: int = 64) -> list[list[int]]:
+    """n prompts of 16–47 random token ids (the same ones for every check)."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(10, 150000, (int(k),), generator=g).tolist() for k in torch.randint(16, 48, (n,), generator=g)]
 
 
 def _rollout_engines(model, prompts: list[list[int]], stop: list[int]) -> dict:
     """name → fn(temperature, max_new) → per-row token lists: HF generate, raypai's loop shrinking
     the batch (eager), and raypai's fixed-shape step replayed as a CUDA graph."""
-    from raypai.alignment._decode import decode
+    from raypai.alignment._decode import decode, left_pad
 
     def hf(temperature: float, max_new: int):
-        ids, att = _left_padded(prompts)
+        ids, att = left_pad(prompts, 0, "cuda")
         kw = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, eos_token_id=stop,
@@ -295,8 +292,7 @@ def check_rollout(new_tokens: int = 128) -> None:
 
     model = _qwen2_half_b().cuda().eval()
     n_params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(5)
-    distinct = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (64,), generator=g)]
+    distinct = _random_prompts()
     stop = [151643]  # Qwen2's <|endoftext|>; a random model almost never samples it, so rows run to the limit
 
     # correctness in fp32 (bf16 greedy parts at near-ties): greedy tokens of the three engines, and the
@@ -337,8 +333,7 @@ def check_update(new_tokens: int = 128) -> None:
     from raypai.alignment.losses import grpo_loss
 
     model = _qwen2_half_b().cuda().to(torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(5)
-    distinct = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in torch.randint(16, 48, (64,), generator=g)]
+    distinct = _random_prompts()
     stop = [151643]
     prompts = [p for p in distinct[:8] for _ in range(8)]
     comps = decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=new_tokens).tokens

@@ -46,12 +46,8 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    """The tensors of a batch on `device` (non-blocking from the host)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def maybe(x, device: torch.device):
+    """An optional tensor on `device` (batches: `raypai.alignment._tensors.to_device`)."""
     return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from raypai.alignment._tensors import to_device
 from raypai.alignment.losses import clipped_value_loss
-from raypai.alignment.roles._device import autocast, role_device, to_device
+from raypai.alignment.roles._device import autocast, role_device
 from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
 
 

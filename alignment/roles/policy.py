@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from raypai.alignment._tensors import cpu_threads, sequence_logprob, token_logprobs
+from raypai.alignment._tensors import cpu_threads, sequence_logprob, to_device, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
-from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device, to_device
+from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
 from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
@@ -52,7 +52,7 @@ class PolicyTrainer(Sleeps):
         self.threads = threads
         self.model_dir = model_dir
         self.device = role_device(device, "policy")
-        self.sync_dtype = sync_dtype
+        self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None  # the replicas' dtype; None: this trainer's
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
@@ -190,8 +190,7 @@ class PolicyTrainer(Sleeps):
 
     def state_dict(self) -> dict:
         """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load."""
-        dtype = DTYPES.get(self.sync_dtype) if self.sync_dtype else None
-        return {k: v.detach().to("cpu", dtype).clone() for k, v in self.engine.module.state_dict().items()}
+        return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in self.engine.module.state_dict().items()}
 
     def node_id(self) -> str:
         import ray
@@ -211,8 +210,7 @@ class PolicyTrainer(Sleeps):
         state = self.engine.module.state_dict()
         if self._shared is None:
             # the layout in the replicas' dtype: the copy into the buffer casts (fp32 → bf16 for GPU replicas)
-            dtype = DTYPES.get(self.sync_dtype) if self.sync_dtype else None
-            like = {k: torch.empty(v.shape, dtype=dtype or v.dtype, device="meta") for k, v in state.items()}
+            like = {k: torch.empty(v.shape, dtype=self.sync_dtype or v.dtype, device="meta") for k, v in state.items()}
             self._shared = SharedWeights(self._shared_path(), like, create=True)
         self._shared.write(state, self.updates)
         return self._shared.path, self.updates, False

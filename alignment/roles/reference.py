@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from raypai.alignment._tensors import token_logprobs
-from raypai.alignment.roles._device import inference_dtype, release, role_device, to_device
+from raypai.alignment._tensors import to_device, token_logprobs
+from raypai.alignment.roles._device import inference_dtype, release, role_device
 
 
 class Reference:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment._decode import decode, left_pad
-from raypai.alignment._tensors import pad, token_logprobs
+from raypai.alignment._tensors import pad, to_device, token_logprobs
 from raypai.alignment.config import ROLLOUT_ENGINES
-from raypai.alignment.roles._device import inference_dtype, release, role_device, to_device
+from raypai.alignment.roles._device import inference_dtype, release, role_device
 from raypai.chat import ChatFormat
 from raypai.errors import ConfigError
 

@@ -196,18 +196,24 @@ def test_a_placement_that_cannot_fit_fails_at_once_naming_the_shortfall(ray_alig
     assert not [pg for pg in ray.util.placement_group_table().values() if pg["name"] == "gpu-run-roles"]
 
 
-def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_align, tiny_model):
+@pytest.mark.parametrize("family", ["raypai", "qwen2", "gpt2"])
+def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_align, tiny_model, family, tmp_path):
     """What a GPU run's sync does, on CPUs: the trainer (fp32) hands its weights to a bf16 replica
     through shared memory in bf16 (half the bytes of fp32), and the replica's weights are then exactly
     the trainer's rounded to bf16, after every update; the trainer's host copy (`state_dict`, what
-    replicas on other nodes load) is in bf16 too. Sleep and wake are no-ops on the CPU."""
+    replicas on other nodes load) is in bf16 too. Sleep and wake are no-ops on the CPU. On raypai's
+    Llama, a Qwen2 with ChatML and a GPT-2 (tied embedding, no chat template)."""
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    model = tiny_model if family == "raypai" else build_tiny_model(tmp_path / family, family=family)
     specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5)}
-    place = Placement("bf16-sync-test", specs, colocate=(tuple(specs),))
+    place = Placement(f"bf16-sync-{family}", specs, colocate=(tuple(specs),))
     try:
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2, live_weights=True, sync_dtype="bfloat16")
-        [rollout] = place.place("rollout", Rollout, tiny_model, dtype="bfloat16")
-        tok = AutoTokenizer.from_pretrained(tiny_model)
-        batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
+        [policy] = place.place("policy", PolicyTrainer, model, 1e-2, live_weights=True, sync_dtype="bfloat16")
+        [rollout] = place.place("rollout", Rollout, model, dtype="bfloat16")
+        fmt = ChatFormat.from_pretrained(model)
+        rows = ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)], family != "gpt2")
+        batch = encode_sft(fmt, sft_examples(rows))
         fp32 = lambda self: {k: v.clone() for k, v in self.engine.module.state_dict().items()}  # noqa: E731
         replica = lambda self: {k: v.clone() for k, v in self.model.state_dict().items()}  # noqa: E731
         n_bytes = sum(v.numel() * 2 for v in ray.get(policy.__ray_call__.remote(fp32)).values())
