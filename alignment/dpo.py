@@ -95,7 +95,7 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
         rng = random.Random(cfg.seed)
         if cfg.online:
             [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
-                                    device=device)
+                                    compiled=cfg.compile_rollout, device=device)
             [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None

@@ -85,7 +85,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                                device=device["policy"], sync_dtype="bfloat16" if g else None)
         rollouts = place.place("rollout", Rollout, model_dir,
                                threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
-                               engine=cfg.rollout_engine, device=device["rollout"],
+                               engine=cfg.rollout_engine, compiled=cfg.compile_rollout, device=device["rollout"],
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device["reference"])
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,

@@ -63,7 +63,8 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
                                device=device, sync_dtype="bfloat16" if g else None)
         [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed,
                                device=device)
-        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine, device=device,
+        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine, compiled=cfg.compile_rollout,
+                               device=device,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,

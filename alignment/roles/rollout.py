@@ -20,14 +20,15 @@ from raypai.errors import ConfigError
 
 class Rollout:
     def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai", device: str = "cpu",
-                 dtype: str | None = None):
+                 dtype: str | None = None, compiled: bool = False):
         """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU).
-        On CUDA the raypai engine replays its decoding step as a CUDA graph (`_decode`)."""
+        On CUDA the raypai engine replays its decoding step as a CUDA graph; `compiled`: on the CPU it
+        runs the step through `torch.compile` (`_decode`)."""
         from transformers import AutoModelForCausalLM
 
         if engine not in ROLLOUT_ENGINES:
             raise ConfigError([f"rollout engine {engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}"], what="rollout")
-        self.engine = engine
+        self.engine, self.compiled = engine, compiled
         self.device = role_device(device, "rollout")
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # HF sampling draws from the global generator; its state is checkpointed
@@ -91,7 +92,8 @@ class Rollout:
         prompt_ids = [ids for p in prompts for ids in [self.fmt.prompt_ids(p)] * n]  # the template once per prompt
         if self.engine == "raypai":
             d = decode(self.model, prompt_ids, pad_id=self.tok.pad_token_id, stop_ids=stops,
-                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs)
+                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs,
+                       compiled=self.compiled)
             comps, sampled_lp, stopped = d.tokens, d.logprobs, d.stopped
         else:
             comps, stopped = self._hf_generate(prompt_ids, stops, max_new_tokens, temperature, top_p)

@@ -94,3 +94,12 @@ def test_gpu_requests_a_role_cannot_use_are_refused_naming_the_role_and_the_fix(
                                               "no CUDA device .*install a CUDA build of torch"):
             role_device("cuda", "rollout")
     assert role_device("cpu", "rollout").type == "cpu"
+
+def test_compile_rollout_is_refused_with_an_engine_it_does_not_compile():
+    from raypai.alignment.config import DPOConfig, GRPOConfig, PPOConfig
+
+    for cls in (GRPOConfig, PPOConfig, DPOConfig):
+        with pytest.raises(ConfigError, match=rf"{cls.__name__}.compile_rollout compiles raypai's own decoding step; "
+                                              r"it does not apply to rollout_engine 'hf' \(set rollout_engine='raypai'"):
+            cls(compile_rollout=True, rollout_engine="hf").validate()
+        assert cls(compile_rollout=True).validate().compile_rollout

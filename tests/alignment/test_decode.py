@@ -4,6 +4,7 @@ full forward pass, on three model families with prompts of different lengths (le
 import pytest
 import torch
 
+from raypai.alignment import _decode
 from raypai.alignment._decode import decode, sample_tokens
 from raypai.alignment._lean import lean_decoder
 from raypai.alignment._tensors import pad, token_logprobs
@@ -50,8 +51,11 @@ def test_greedy_tokens_are_those_of_hf_generate(family_model, lean, static):
         assert got == (ref if cut is None else ref[:cut + 1])
 
 
-@ENGINES
-def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model, lean, static):
+# and the fixed-shape step through torch.compile (`compile_rollout`; GPT-2 falls back to its own forward)
+@pytest.mark.parametrize("lean, static, compiled", [(True, False, False), (True, True, False), (False, False, False),
+                                                    (True, None, True)],
+                         ids=["lean", "lean-static", "model-forward", "lean-compiled"])
+def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model, lean, static, compiled):
     model, fmt = family_model
     prompts = _prompts(fmt) * 4
     stop = list(fmt.stop_ids)
@@ -59,7 +63,9 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
     frequent = torch.topk(model(torch.tensor([prompts[0]])).logits[0, -1], 2).indices.tolist()
     g = torch.Generator().manual_seed(3)
     d = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stop + frequent, max_new_tokens=10,
-               generator=g, logprobs=True, lean=lean, static=static)
+               generator=g, logprobs=True, lean=lean, static=static, compiled=compiled)
+    if compiled and lean_decoder(model) is not None:
+        assert _decode._compiled_step is not None  # the step ran through torch.compile
     ended = [t for t in d.tokens if t and t[-1] in stop + frequent]
     assert 0 < len(ended) == d.stopped < len(prompts)  # some rows left the batch early, others ran on
     for toks in d.tokens:
