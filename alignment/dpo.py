@@ -19,7 +19,7 @@ import ray
 
 from raypai.alignment._loop import asleep, sample, score
 from raypai.alignment._tensors import encode_pairs, pad, sequence_logprob
-from raypai.alignment.config import DPOConfig
+from raypai.alignment.config import LIVE_ENGINES, DPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected, dpo_loss
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
@@ -88,14 +88,15 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     try:
         # online: sampling and updates take turns, so the replica reads the trainer's own parameters
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads,
-                               live_weights=cfg.online, device=device, sync_dtype="bfloat16" if g else None)
+                               live_weights=cfg.online and cfg.rollout_engine in LIVE_ENGINES, device=device,
+                               sync_dtype="bfloat16" if g else None)
         [reference] = place.place("reference", Reference, model_dir, threads=threads, device=device)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         rng = random.Random(cfg.seed)
         if cfg.online:
             [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
-                                    compiled=cfg.compile_rollout, device=device)
+                                    compiled=cfg.compile_rollout, device=device, gpu_share=specs["rollout"].gpus)
             [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None

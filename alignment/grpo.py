@@ -25,7 +25,7 @@ import ray
 
 from raypai.alignment._loop import Sections, asleep, collect, launch, mean_of, response_length, score, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
-from raypai.alignment.config import GRPOConfig
+from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import grpo_advantages
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
@@ -81,11 +81,13 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
         # (on a GPU the replicas take each update as a bf16 copy through host shared memory)
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               threads=cfg.train_threads or shared, live_weights=not cfg.async_rollout,
+                               threads=cfg.train_threads or shared,
+                               live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
                                device=device["policy"], sync_dtype="bfloat16" if g else None)
         rollouts = place.place("rollout", Rollout, model_dir,
                                threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
                                engine=cfg.rollout_engine, compiled=cfg.compile_rollout, device=device["rollout"],
+                               gpu_share=specs["rollout"].gpus,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device["reference"])
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,

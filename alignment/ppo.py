@@ -19,7 +19,7 @@ import ray
 
 from raypai.alignment._loop import Sections, asleep, mean_of, response_length, sample, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
-from raypai.alignment.config import PPOConfig
+from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import gae, kl_penalized_rewards, masked_mean, masked_whiten
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
@@ -59,12 +59,13 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
     try:
         # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
         # on a GPU, a bf16 copy through host shared memory)
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, live_weights=True,
-                               device=device, sync_dtype="bfloat16" if g else None)
+        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
+                               live_weights=cfg.rollout_engine in LIVE_ENGINES, device=device,
+                               sync_dtype="bfloat16" if g else None)
         [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed,
                                device=device)
         rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine, compiled=cfg.compile_rollout,
-                               device=device,
+                               device=device, gpu_share=specs["rollout"].gpus,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device)
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,

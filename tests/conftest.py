@@ -84,7 +84,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """A loud line when PostgreSQL tests were skipped: a green run then did not test the production layer."""
     result = yield
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "postgres" in r.keywords]
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "postgres" in getattr(r, "keywords", ())]
     if not skipped:
         return result
     tr = terminalreporter

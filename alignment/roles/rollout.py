@@ -2,9 +2,10 @@
 Prompts are strings (standard format) or message lists (the tokenizer's chat template); generation
 stops at the tokenizer's stop tokens (EOS, generation_config EOS, the template's end-of-turn).
 
-Two engines: `"raypai"` (default; `raypai.alignment._decode`: finished rows leave the batch and the
-behaviour log-probs come from the sampling pass itself) and `"hf"` (transformers' `generate`, for a
-model the lean loop does not support)."""
+Three engines: `"raypai"` (default; `raypai.alignment._decode`: finished rows leave the batch and the
+behaviour log-probs come from the sampling pass itself), `"hf"` (transformers' `generate`, for a
+model the lean loop does not support) and `"vllm"` (`roles._vllm`: vLLM in this actor, the weights
+pushed into it at each sync; the HF model then stays on the CPU as the weights' staging copy)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from raypai.errors import ConfigError
 
 class Rollout:
     def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai", device: str = "cpu",
-                 dtype: str | None = None, compiled: bool = False):
+                 dtype: str | None = None, compiled: bool = False, gpu_share: float = 0.5):
         """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU).
         On CUDA the raypai engine replays its decoding step as a CUDA graph; `compiled`: on the CPU it
-        runs the step through `torch.compile` (`_decode`)."""
+        runs the step through `torch.compile` (`_decode`). `gpu_share`: the GPU memory vLLM may hold
+        (`engine="vllm"` on CUDA)."""
         from transformers import AutoModelForCausalLM
 
         if engine not in ROLLOUT_ENGINES:
@@ -36,8 +38,16 @@ class Rollout:
             torch.cuda.manual_seed(seed)
         self.fmt = ChatFormat.from_pretrained(model_dir)
         self.tok = self.fmt.tok
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device,
-                                                                         inference_dtype(self.device, dtype)).eval()
+        dtype = inference_dtype(self.device, dtype)
+        self.vllm = None
+        if engine == "vllm":  # vLLM holds the device; the HF model stays on the CPU as the staging copy
+            from raypai.alignment.roles._vllm import VllmEngine
+
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            self.vllm = VllmEngine(model_dir, device=self.device, dtype=dtype, gpu_share=gpu_share,
+                                   max_model_len=self.model.config.max_position_embeddings)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device, dtype).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
         self._shared = None  # the trainer's shared-memory weights, mapped at the first same-node sync
         self._live = False  # parameters bound to the trainer's own (live shared parameters)
@@ -45,6 +55,8 @@ class Rollout:
     def load_weights(self, state: dict, version: int | None = None) -> int:
         """Load the trainer's weights; `version` (its update count) is reported with every sample."""
         self.model.load_state_dict(state)
+        if self.vllm is not None:
+            self.vllm.push(state)
         if version is not None:
             self.version = version
         return sum(v.numel() * v.element_size() for v in state.values())
@@ -57,6 +69,9 @@ class Rollout:
         from raypai.alignment.sync import HEADER, SharedWeights
 
         path, version, live = written
+        if live and self.vllm is not None:
+            raise RuntimeError("a vLLM rollout keeps its own copy of the weights and cannot read the trainer's "
+                               "parameters in place: the trainer must not be made with live_weights for it")
         if self._shared is None or self._shared.path != path:  # the first sync from this buffer: map it
             state = dict(self.model.named_parameters()) if live else self.model.state_dict()
             self._shared = SharedWeights(path, state, create=False)
@@ -69,6 +84,8 @@ class Rollout:
             size = self._shared.total - HEADER
         else:
             size = self._shared.read_into(self.model.state_dict(), version)
+            if self.vllm is not None:
+                self.vllm.push(self.model.state_dict())
         self.version = version
         return size
 
@@ -95,6 +112,9 @@ class Rollout:
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs,
                        compiled=self.compiled)
             comps, sampled_lp, stopped = d.tokens, d.logprobs, d.stopped
+        elif self.engine == "vllm":
+            comps, sampled_lp, stopped = self.vllm.generate(prompt_ids, stops, max_new_tokens, temperature, top_p,
+                                                            logprobs)
         else:
             comps, stopped = self._hf_generate(prompt_ids, stops, max_new_tokens, temperature, top_p)
             sampled_lp = None
@@ -160,5 +180,5 @@ class Rollout:
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens under the loaded weights, 0 elsewhere (float32, on the host)."""
-        b = to_device(batch, self.device)
+        b = to_device(batch, self.model.device)
         return token_logprobs(self.model, b["input_ids"], b["attention_mask"], where=b["response_mask"]).cpu()

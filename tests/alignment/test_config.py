@@ -10,12 +10,12 @@ from raypai.errors import ConfigError
 
 def test_grpo_config_lists_every_problem_with_its_fix():
     with pytest.raises(ConfigError) as err:
-        GRPOConfig(group_size=1, aggregation="mean", rollout_engine="vllm", clip_eps=2).validate()
+        GRPOConfig(group_size=1, aggregation="mean", rollout_engine="sglang", clip_eps=2).validate()
     assert len(err.value.problems) == 4
     text = str(err.value)
     assert "group_size must be > 1 (got 1): with one sample per prompt every advantage is 0" in text
     assert "aggregation 'mean' is unknown; choose one of grpo, bnpo, dr_grpo, dapo" in text
-    assert "rollout_engine 'vllm' is unknown; choose one of raypai, hf" in text
+    assert "rollout_engine 'sglang' is unknown; choose one of raypai, hf, vllm" in text
     assert "clip_eps must be in (0, 1) (got 2)" in text
 
 
@@ -103,3 +103,18 @@ def test_compile_rollout_is_refused_with_an_engine_it_does_not_compile():
                                               r"it does not apply to rollout_engine 'hf' \(set rollout_engine='raypai'"):
             cls(compile_rollout=True, rollout_engine="hf").validate()
         assert cls(compile_rollout=True).validate().compile_rollout
+
+
+def test_the_vllm_engine_without_vllm_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    from raypai.alignment.config import GRPOConfig
+    from raypai.alignment.roles.rollout import Rollout
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    assert GRPOConfig(rollout_engine="vllm").validate().rollout_engine == "vllm"
+    path = build_tiny_model(tmp_path / "m", family="qwen2")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails here, whether or not it is installed
+    with pytest.raises(ConfigError, match=r"rollout_engine='vllm' needs vLLM in the rollout's environment: "
+                                          r"pip install 'raypai\[vllm\]'"):
+        Rollout(path, engine="vllm")
