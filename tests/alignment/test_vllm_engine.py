@@ -14,6 +14,8 @@ from raypai.alignment.sync import SharedWeights  # noqa: E402
 from raypai.alignment.tasks.tiny import build_tiny_model  # noqa: E402
 from raypai.chat import ChatFormat  # noqa: E402
 
+# vLLM's CPU attention takes head sizes of 32 and up (the tiny models' default is 16)
+SHAPE = {"hidden": 64, "heads": 2, "kv_heads": 1}
 PROMPTS = ["1+2=", "13+27=", "a much longer prompt: 40+41=", "7+7="]
 
 
@@ -21,7 +23,7 @@ PROMPTS = ["1+2=", "13+27=", "a much longer prompt: 40+41=", "7+7="]
 def family(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", family=request.param)
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param) / "m", family=request.param, **SHAPE)
     rollout = Rollout(path, engine="vllm", seed=0)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     return rollout, hf, ChatFormat.from_pretrained(path)
@@ -117,7 +119,7 @@ def test_a_grpo_run_pushes_every_update_into_its_vllm_rollout(ray_align, tmp_pat
     from raypai.alignment.tasks import arithmetic as ar
 
     train, held = ar.split()
-    path = build_tiny_model(tmp_path / "m")
+    path = build_tiny_model(tmp_path / "m", **SHAPE)
     cfg = GRPOConfig(steps=4, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, eval_every=10**6,
                      rollout_engine="vllm")
     logger = _Sink()
