@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
     ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
     ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
-    ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf"), help="raypai GRPOConfig.rollout_engine")
+    ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf", "vllm"), help="raypai GRPOConfig.rollout_engine")
     ap.add_argument("--compile-rollout", action=argparse.BooleanOptionalAction, default=True,
                     help="raypai GRPOConfig.compile_rollout (the compile lands in step 1, which is reported as "
                          "first_step_seconds and left out of the steady state on both sides)")
