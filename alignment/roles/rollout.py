@@ -40,10 +40,12 @@ class Rollout:
         self.tok = self.fmt.tok
         dtype = inference_dtype(self.device, dtype)
         self.vllm = None
-        if engine == "vllm":  # vLLM holds the device; the HF model stays on the CPU as the staging copy
+        if engine == "vllm":
             from raypai.alignment.roles._vllm import VllmEngine
 
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            # vLLM holds the device; the HF model stays on the CPU as the weights' staging copy, in the
+            # replica's dtype (so its shared-memory layout is the one a GPU trainer writes: bf16)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(dtype=dtype).eval()
             self.vllm = VllmEngine(model_dir, device=self.device, dtype=dtype, gpu_share=gpu_share,
                                    max_model_len=self.model.config.max_position_embeddings)
         else:
