@@ -121,5 +121,5 @@ def test_both_rollout_engines_give_the_same_greedy_completions_and_log_probs(tmp
     assert outs[0]["completions"] == outs[1]["completions"] and outs[0]["seqs"] == outs[1]["seqs"]
     mask = outs[0]["batch"]["response_mask"]
     torch.testing.assert_close(outs[0]["logprobs"] * mask, outs[1]["logprobs"] * mask, atol=1e-4, rtol=0)
-    with pytest.raises(ConfigError, match="rollout engine 'vllm' is not one of raypai, hf"):
-        Rollout(str(path), engine="vllm")
+    with pytest.raises(ConfigError, match="rollout engine 'sglang' is not one of raypai, hf, vllm"):
+        Rollout(str(path), engine="sglang")
