@@ -29,7 +29,8 @@ PG_TEST_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 TESTS ?= tests
 # Test files run on this many processes (pytest-xdist, a whole file per process so module fixtures
 # are built once). Much of a test's time is waiting on Ray start-up, Serve and subprocesses, so two
-# processes finish sooner even on two cores (25% less wall time measured here). TEST_WORKERS=0: one.
+# processes finish sooner even on two cores (25% less wall time measured here; three were slower
+# again, 17.1 against 16.2 min, 2026-11-27). TEST_WORKERS=0: one.
 TEST_WORKERS ?= 2
 PG_PROBE := import psycopg, sys; psycopg.connect(sys.argv[1].replace("+psycopg", ""), connect_timeout=3).close()
 
