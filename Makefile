@@ -39,7 +39,7 @@ test: $(STAMP)
 		echo "PostgreSQL answers at $(PG_TEST_URL): RAYPAI_TEST_DATABASE_URL set for the tests"; \
 		export RAYPAI_TEST_DATABASE_URL='$(PG_TEST_URL)'; \
 	fi; \
-	$(BIN)/python -m pytest $(TESTS) -q --durations=60 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest $(TESTS) -q --durations=60 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # The oldest transformers pyproject allows (4.54: the engine's `cache.layers`), laid over the venv
 # in a separate folder, with the tests of the code that uses transformers' generation and chat APIs.

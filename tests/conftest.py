@@ -51,16 +51,12 @@ def _needs_postgres(item) -> bool:
     return bool({"pg_server_url", "pg_url"} & set(item.fixturenames)) or params.get("db_url") == "postgresql"
 
 
-# The files that take longest (measured in `make test`'s durations, 2026-11-27: 266 s down to 31 s)
-# start first, so that with several test processes none is left running a long file alone at the
-# end. `--dist loadfile` hands out whole files in this order only with `--no-loadscope-reorder`
-# (Makefile): by default pytest-xdist (3.8 here) re-sorts files by their number of tests, which sends
-# long files with few tests after short files with many (the end-to-end tinychat run, 2 tests and
-# 125 s, went out 45th of 51 files). Order inside a file is kept.
-_LONGEST_FIRST = ("alignment/test_families.py", "train/test_pretrain.py", "alignment/test_algorithms.py",
-                  "serving/test_serving.py", "e2e/test_tinychat.py", "test_runtime.py", "e2e/test_finetune.py",
-                  "alignment/test_roles.py", "cli/test_cli.py", "data/test_dedup_dist.py", "alignment/test_cli.py",
-                  "store/test_metadata.py", "data/test_clean.py", "train/test_cli_train.py", "train/test_steps.py")
+# The files that take longest (minutes each, measured in `make test`'s durations) start first, so that
+# with several test processes (`--dist loadfile` hands out whole files in this order) none is left
+# running a long file alone at the end. Order inside a file is kept.
+_LONGEST_FIRST = ("alignment/test_families.py", "train/test_pretrain.py", "e2e/test_tinychat.py",
+                  "serving/test_serving.py", "alignment/test_algorithms.py", "test_runtime.py", "e2e/test_finetune.py",
+                  "cli/test_cli.py", "train/test_cli_train.py", "alignment/test_cli.py", "train/test_steps.py")
 
 
 def _file_rank(item) -> int:

@@ -20,10 +20,11 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     import deepspeed
     import torch
 
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not torch.distributed.is_initialized():
+        # a role is a process group of its own: rendezvous values inherited from the node (another job,
+        # an in-process vLLM that held its own port) would join a foreign group or a taken port
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
         deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
     # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
     # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed

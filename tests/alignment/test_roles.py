@@ -334,3 +334,27 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
             torch.testing.assert_close(ray.get(r.logprobs.remote(batch)), trained, atol=0, rtol=0)
     finally:
         place.shutdown()
+
+
+def test_a_trainer_engine_ignores_a_master_port_it_inherits(tmp_path):
+    """A role's DeepSpeed engine is one process of its own: a MASTER_PORT (or RANK, WORLD_SIZE) left in
+    the environment by something else on the node (an in-process vLLM, another job) must not be
+    used; here the inherited port is taken, as it was when a vLLM rollout in the driver held it."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code = ("import torch; from transformers import LlamaConfig, LlamaForCausalLM\n"
+                "from raypai.alignment.roles._engine import make_engine\n"
+                "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
+                "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
+                "e = make_engine(m, lr=1e-3)\n"
+                "print('world', torch.distributed.get_world_size())\n")
+        env = {**os.environ, "MASTER_PORT": str(taken.getsockname()[1]), "WORLD_SIZE": "4", "RANK": "2",
+               "DS_ACCELERATOR": "cpu"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "world 1" in done.stdout
