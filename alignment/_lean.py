@@ -91,11 +91,17 @@ def _qkv(layer, qkv, s: _Shape, x: torch.Tensor, cos, sin):
     return q, k, h[:, :, s.heads + s.kv_heads:].transpose(1, 2)
 
 
+def _heads_last(o: torch.Tensor) -> torch.Tensor:
+    """Attention output (B, heads, T, d) as (B, T, heads·d)."""
+    B, _, T, _ = o.shape
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
 def _finish(layer, gate_up, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Residual after attention output o (B, heads, T, d), then the SwiGLU MLP's residual."""
-    B, T, _ = x.shape
+    """Residual after the attention output o (…, heads·d) at x's positions (…, hidden), then the
+    SwiGLU MLP's residual."""
     a, m = layer.self_attn, layer.mlp
-    x = x + F.linear(o.transpose(1, 2).reshape(B, T, -1), a.o_proj.weight, a.o_proj.bias)
+    x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
     gate, up = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
     return x + F.linear(m.act_fn(gate) * up, m.down_proj.weight, m.down_proj.bias)
 
@@ -121,26 +127,32 @@ def lean_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     return _rms(inner.norm, _layer_stack(inner, s, x, cos, sin, mask)[0])
 
 
-def _layer_stack(inner, s: _Shape, x: torch.Tensor, cos, sin, mask, prefix=None):
+def _layer_stack(inner, s: _Shape, x: torch.Tensor, cos, sin, mask, prefix=None, keep=None):
     """Every layer on x (B, T, hidden). With `prefix` = (x_p (U, Lp, hidden), cos_p, sin_p, group (B,),
     the prefix each row continues), the rows of x continue prefixes shared by several rows: each layer runs the
     U prefixes once and x's queries attend to their row's prefix keys, then causally to x's own.
-    Returns (x, x_p)."""
+    With `keep` = (rows, columns) of x, the last layer finishes those positions only (its keys and
+    values still come from every position) and x is returned as (N, hidden): the states the caller
+    reads, without the output projection and MLP of the others. Returns (x, x_p)."""
     gqa = s.heads != s.kv_heads
     x_p = None
     if prefix is not None:
         x_p, cos_p, sin_p, group = prefix
-    for layer in inner.layers:
+    last = len(inner.layers) - 1
+    for i, layer in enumerate(inner.layers):
         qkv, gate_up = _fused(layer)
         q, k, v = _qkv(layer, qkv, s, x, cos, sin)
         if x_p is not None:
             qp, kp, vp = _qkv(layer, qkv, s, x_p, cos_p, sin_p)
             # right-padded prefixes: causal attention never reaches a prefix's padding
-            x_p_next = _finish(layer, gate_up, x_p, F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
-                                                                                   enable_gqa=gqa))
+            x_p_next = _finish(layer, gate_up, x_p, _heads_last(F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, enable_gqa=gqa)))
             k, v = torch.cat([kp[group], k], dim=2), torch.cat([vp[group], v], dim=2)  # (B, kv_heads, Lp + T, d)
             x_p = x_p_next
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        o = _heads_last(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                       enable_gqa=gqa))
+        if keep is not None and i == last:
+            x, o = x[keep], o[keep]
         x = _finish(layer, gate_up, x, o)
     return x, x_p
 
@@ -188,12 +200,14 @@ def lean_response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
     plen, group, firsts = groups
     lengths = attention_mask.sum(1)  # (B,)
     slen = lengths - plen  # (B,) each row's continuation
-    # where each row's continuation starts in its group's packed sequence: after the prompt and the
-    # continuations of the group's earlier rows
+    # packed, a continuation's last token is a label only (the state after it predicts nothing asked
+    # for), so it is left out: each row contributes slen − 1 inputs, starting after the prompt and
+    # the inputs of the group's earlier rows
     B = len(plen)
+    inputs = slen - 1
     earlier = (group[:, None] == group[None, :]) & torch.ones((B, B), dtype=torch.bool, device=plen.device).tril(-1)
-    off = plen + (earlier * slen[None, :]).sum(1)
-    if int((off + slen).max()) <= PACKED_MAX_LEN:
+    off = plen + (earlier * inputs[None, :]).sum(1)
+    if int((off + inputs).max()) <= PACKED_MAX_LEN:
         return _packed(model, input_ids, where, plen, slen, off, group, firsts)
     return _two_pass(model, input_ids, where, plen, slen, group, firsts)
 
@@ -207,14 +221,17 @@ def _logprobs_at(model, h: torch.Tensor, labels: torch.Tensor, rows: torch.Tenso
 
 
 def _packed(model, input_ids, where, plen, slen, off, group, firsts) -> torch.Tensor:
-    """One sequence per group: [prompt, continuation 1, continuation 2, …], each continuation at its
-    own row's positions (plen…) and attending to the prompt and causally to itself only (a packed
-    sequence with a block mask, as in tree attention); one pass through the layers."""
+    """One sequence per group: [prompt, continuation 1, continuation 2, …] (each continuation without
+    its last token, `off` where each starts), each continuation at its own row's positions (plen…)
+    and attending to the prompt and causally to itself only (a packed sequence with a block mask, as
+    in tree attention); one pass through the layers, whose last finishes only the positions that
+    predict a label asked for."""
     inner, s = model.model, _Shape(model.config)
     B, T = input_ids.shape
     dev = input_ids.device
-    U, P = len(firsts), int((off + slen).max())
-    Lp, Ls = int(plen.max()), int(slen.max())
+    inputs = slen - 1
+    U, P = len(firsts), int((off + inputs).max())
+    Lp, Li = int(plen.max()), int(inputs.max())
     ids = input_ids.new_zeros((U, P))
     pos = torch.zeros((U, P), dtype=torch.long, device=dev)
     seg = torch.full((U, P), -1, dtype=torch.long, device=dev)  # −1 padding, 0 the prompt, b + 1 row b's continuation
@@ -223,29 +240,30 @@ def _packed(model, input_ids, where, plen, slen, off, group, firsts) -> torch.Te
     ids[:, :Lp] = input_ids[firsts, :Lp]
     pos[:, :Lp] = cols
     seg[:, :Lp] = torch.where(in_prompt, 0, -1)
-    k = torch.arange(Ls, device=dev)
-    real = k[None] < slen[:, None]  # (B, Ls)
-    at = plen[:, None] + k  # (B, Ls) the continuation tokens' positions in their own rows
-    r, c = group[:, None].expand(B, Ls)[real], (off[:, None] + k)[real]
+    k = torch.arange(max(Li, 1), device=dev)
+    real = k[None] < inputs[:, None]  # (B, Li)
+    at = plen[:, None] + k  # (B, Li) the inputs' positions in their own rows
+    r, c = group[:, None].expand_as(real)[real], (off[:, None] + k)[real]
     ids[r, c] = input_ids.gather(1, at.clamp(max=T - 1))[real]
     pos[r, c] = at[real]
-    seg[r, c] = torch.arange(1, B + 1, device=dev)[:, None].expand(B, Ls)[real]
+    seg[r, c] = torch.arange(1, B + 1, device=dev)[:, None].expand_as(real)[real]
     # key j is visible to query i: j ≤ i, j real, and j in the prompt or in i's own continuation; a
     # padding query attends to itself (a query with no key would give NaN)
     i = torch.arange(P, device=dev)
     sq, sk = seg[:, :, None], seg[:, None, :]
     mask = ((i[None, :] <= i[:, None]) & (sk >= 0) & ((sk == 0) | (sk == sq))) | torch.eye(P, dtype=torch.bool,
                                                                                           device=dev)
+    # label j of row b (its continuation's token j, at position plen + j) is predicted by the state
+    # before it: the prompt's last for j = 0, else the row's input j − 1
+    j = torch.arange(int(slen.max()), device=dev)
+    lab = plen[:, None] + j - 1  # (B, Ls) label positions
+    want = where.bool().gather(1, lab.clamp(max=T - 2)) & (j[None] < slen[:, None])
+    rows, jj = want.nonzero(as_tuple=True)
+    col = torch.where(jj == 0, plen[rows] - 1, off[rows] + jj - 1)
     x = inner.embed_tokens(ids)
     cos, sin = _rotary(*inner.rotary_emb(x, pos))
-    x, _ = _layer_stack(inner, s, x, cos, sin, mask[:, None])
-    # continuation token j of row b is predicted by the state before it: the prompt's last one for j = 0
-    hcol = torch.where(k[None] == 0, plen[:, None] - 1, off[:, None] + k - 1)  # (B, Ls)
-    lab = at - 1  # (B, Ls) label positions
-    want = where.bool().gather(1, lab.clamp(max=T - 2)) & real
-    rows, j = want.nonzero(as_tuple=True)
-    h = _rms(inner.norm, x[group[rows], hcol[rows, j]])
-    return _logprobs_at(model, h, input_ids[rows, at[rows, j]], rows, lab[rows, j], (B, T - 1))
+    h, _ = _layer_stack(inner, s, x, cos, sin, mask[:, None], keep=(group[rows], col))
+    return _logprobs_at(model, _rms(inner.norm, h), input_ids[rows, plen[rows] + jj], rows, lab[rows, jj], (B, T - 1))
 
 
 def _two_pass(model, input_ids, where, plen, slen, group, firsts) -> torch.Tensor:
@@ -307,7 +325,7 @@ class LeanDecoder:
             self.v[i][:, :, at] = v
             o = F.scaled_dot_product_attention(q, self.k[i][:, :, :keys], self.v[i][:, :, :keys], attn_mask=mask,
                                                enable_gqa=self.s.heads != self.s.kv_heads)
-            x = _finish(layer, gate_up, x, o)
+            x = _finish(layer, gate_up, x, _heads_last(o))
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

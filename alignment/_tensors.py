@@ -45,6 +45,14 @@ def pad(seqs: list[list[int]], resp: list[list[int]], pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": att, "response_mask": rm[:, 1:]}
 
 
+def select_rows(batch: dict, idx) -> dict:
+    """Rows `idx` of a right-padded batch (`pad`'s layout), trimmed to their own longest sequence."""
+    b = {k: v[idx] for k, v in batch.items()}
+    L = int(b["attention_mask"].sum(1).max())
+    return {"input_ids": b["input_ids"][:, :L], "attention_mask": b["attention_mask"][:, :L],
+            "response_mask": b["response_mask"][:, :L - 1]}
+
+
 def cpu_threads(flops: float, flops_per_thread: float, most: int) -> int:
     """Threads for a CPU step of `flops`: one per `flops_per_thread` of work, at least 1, at most
     `most`. Below the grain a parallel region's fork/join costs more than the split saves."""

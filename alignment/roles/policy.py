@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from raypai.alignment._tensors import cpu_threads, sequence_logprob, to_device, token_logprobs
+from raypai.alignment._tensors import cpu_threads, select_rows, sequence_logprob, to_device, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
 from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
@@ -145,6 +145,19 @@ class PolicyTrainer(Sleeps):
                        label_smoothing=label_smoothing, lengths=lengths)
         return {"loss": out.loss.item(), "accuracy": out.accuracy, "margin": out.margin,
                 "grad_norm": self._update(out.loss)}
+
+    def hold_pairs(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> int:
+        """Keep an offline DPO dataset here (host memory): the pairs' right-padded batches and their
+        reference log-probs. Steps then name their rows (`dpo_step_held`) rather than ship them."""
+        self._pairs = (chosen, rejected, ref_chosen, ref_rejected)
+        return len(ref_chosen)
+
+    def dpo_step_held(self, idx: list[int], beta: float, loss_type: str, label_smoothing: float) -> dict:
+        """`dpo_step` on rows `idx` of the pairs given to `hold_pairs`."""
+        chosen, rejected, ref_chosen, ref_rejected = self._pairs
+        idx = torch.as_tensor(idx)
+        return self.dpo_step(select_rows(chosen, idx), select_rows(rejected, idx), ref_chosen[idx],
+                             ref_rejected[idx], beta, loss_type, label_smoothing)
 
     def grpo_step(self, batch: dict, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, advantages: torch.Tensor,
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,

@@ -28,3 +28,44 @@ def test_stacked_chosen_and_rejected_match_separate_forwards(tiny_model):
     # the padding added to the shorter batch counts nowhere
     assert both["response_mask"][:3].sum() == chosen["response_mask"].sum()
     assert both["attention_mask"][:3, 12:].sum() == 0
+
+
+def test_selected_rows_equal_the_rows_re_padded_alone():
+    from raypai.alignment._tensors import select_rows
+
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 4, 14, 6)]
+    masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
+    batch = pad(seqs, masks, 0)
+    for idx in ([1, 3], [3, 0, 0], [2]):
+        alone = pad([seqs[i] for i in idx], [masks[i] for i in idx], 0)
+        picked = select_rows(batch, torch.tensor(idx))
+        assert picked.keys() == alone.keys()
+        assert all(torch.equal(picked[k], alone[k]) for k in alone), idx
+
+
+def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
+    """Offline DPO hands the trainer its pairs once and names rows per step: the same update as
+    shipping the rows' tensors."""
+    from raypai.alignment._tensors import select_rows
+    from raypai.alignment.roles.policy import PolicyTrainer
+
+    g = torch.Generator().manual_seed(2)
+
+    def side(n_resp):
+        seqs = [list(range(3, 9)) + torch.randint(3, 200, (n,), generator=g).tolist() for n in n_resp]
+        return pad(seqs, [[0] * 6 + [1] * n for n in n_resp], 0)
+
+    chosen, rejected = side([2, 5, 3, 4]), side([4, 1, 6, 2])
+    ref_c, ref_r = -torch.rand(4) * 10, -torch.rand(4) * 10
+    a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
+    assert b.hold_pairs(chosen, rejected, ref_c, ref_r) == 4
+    for idx in ([2, 0], [1, 3, 3]):
+        t = torch.tensor(idx)
+        shipped = a.dpo_step(select_rows(chosen, t), select_rows(rejected, t), ref_c[t], ref_r[t], 0.1, "sigmoid", 0.0)
+        held = b.dpo_step_held(idx, 0.1, "sigmoid", 0.0)
+        assert shipped == held
+    for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(a.engine.module.parameters(),
+                                                    PolicyTrainer(tiny_model, 1e-3, seed=0).engine.module.parameters()))
