@@ -13,6 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raypai.alignment import _wire as wire
 from raypai.errors import ConfigError
 
 
@@ -44,6 +45,10 @@ def _resources(cpus: float, gpus: float) -> dict:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
+def _install_wire(actor) -> None:
+    wire.install()
+
+
 class Placement:
     """`place(name, cls, spec, *args)` → actor handles named `<run>/<role>-<i>` in the dashboard."""
 
@@ -71,6 +76,7 @@ class Placement:
                 bundles.append(_resources(spec.cpus, spec.gpus))
         self.specs = specs
         _check_fits(run_name, bundles)
+        wire.install()  # the driver's batches to the roles travel as arrays (raypai.alignment._wire)
         self.pg = placement_group(bundles, strategy="PACK", name=f"{run_name}-roles")
         ray.get(self.pg.ready(), timeout=300)
         self.actors: list = []
@@ -84,6 +90,7 @@ class Placement:
                 name=f"{self.run_name}/{role}-{i}", num_cpus=spec.cpus, num_gpus=spec.gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             ).remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))
+            actor.__ray_call__.remote(_install_wire)  # so do the role's replies (runs before any later call)
             handles.append(actor)
         self.actors += handles
         return handles
