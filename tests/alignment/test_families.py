@@ -45,6 +45,17 @@ def exact_answer(prompts, completions, answer, **_):
 
 
 @pytest.fixture(scope="module")
+def ray_align():
+    """This module's local Ray, without the dashboard that tests/alignment/conftest.py starts for the
+    state API (`list_actors`): nothing here queries it, and its processes cost CPU all module long."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def user_files(tmp_path_factory):
     """The user's files: chats, prompt/completion rows, preference pairs, prompts with answers, and a
     reward module on sys.path (shipped to the Ray actors by value)."""
@@ -84,7 +95,13 @@ def test_sft_lowers_held_out_loss_in_the_family_format(family):
 
 
 def test_sft_prompt_completion_format_also_learns(family, user_files):
-    """Standard prompt/completion rows on every family (chat templates unused: completion + EOS)."""
+    """Standard prompt/completion rows on every family (chat templates unused: completion + EOS).
+    GPT-2's own format is this one: the module's SFT of its base already trained on these rows, so
+    its metrics are checked instead of a second, shorter run on the same rows."""
+    if family["tag"] == "plain":
+        m = family["sft_metrics"]
+        assert m["eval_response_loss_after"] < 0.5 * m["eval_response_loss_before"], m
+        return
     out = family["dir"] / "sft-plain"
     m = run_sft(family["base"], str(out), load(user_files["sft_plain"], "sft"), load(user_files["sft_plain_held"], "sft"),
                 SFTConfig(steps=40, lr=3e-3), run_name=f"fam-sftp-{family['name']}")
