@@ -17,7 +17,9 @@ from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_s
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
 # second core is better left to the driver and Ray's own processes, which work during every step.
 # Measured on issue #14's benchmark (0.79 M parameters, 2 cores): DPO's 16 rows (≈ 1 GFLOP) ran at
-# 206 pairs/s on 1 thread vs 139 on 2 (medians of 3 runs); an 8 × 8 GRPO update (≈ 5 GFLOP) took
+# 206 pairs/s on 1 thread vs 139 on 2 (medians of 3 runs; after the packed updates, 404-452 vs
+# 229-483: in-process 2 threads win, but in the actor a region waits for its slower thread, and
+# the second core also serves Ray); an 8 × 8 GRPO update (≈ 5 GFLOP) took
 # 90 ms on 2 threads vs 110 ms on 1.
 TRAIN_FLOPS_PER_THREAD = 2.5e9
 
