@@ -103,6 +103,7 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
         else:  # reference log-probs of every pair, computed once, held by the trainer with the pairs:
             # a step then names its rows, instead of shipping its tensors through Ray (≈ 1 ms a step)
             ray.get(policy.hold_pairs.remote(all_c, all_r, _seq_lp(reference, all_c), _seq_lp(reference, all_r)))
+            del all_c, all_r  # the trainer's copy is the one used: a large dataset is not held twice
         # offline batches do not depend on the updates, so up to IN_FLIGHT steps are queued on the
         # policy actor (it runs them in order) and the driver's round trip leaves the critical path
         in_flight: list = []
