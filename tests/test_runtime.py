@@ -45,6 +45,9 @@ def hold(*ports):
     try:
         for port in ports:
             s = socket.socket()
+            # as servers do: a port whose last server stopped moments ago (its connections in
+            # TIME_WAIT, e.g. another test's Ray dashboard on 8265) can be held again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
                 s.listen()
@@ -91,6 +94,24 @@ def test_a_stopped_servers_time_wait_connections_do_not_hold_its_port():
     srv.close()
     client.close()
     assert runtime.port_is_free(port)
+
+
+def test_hold_takes_a_port_whose_stopped_server_left_time_wait_connections():
+    """CI failed with `hold(8265)` refused: another test's Ray dashboard had stopped on 8265 moments
+    before and its connections waited in TIME_WAIT. A free port (by `port_is_free`) must be holdable."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = srv.accept()
+    accepted.close()  # the server side closes first: its end waits in TIME_WAIT
+    srv.close()
+    client.close()
+    assert runtime.port_is_free(port)
+    with hold(port) as held:
+        assert held == {port} and not runtime.port_is_free(port)
 
 
 def test_a_pinned_port_that_is_taken_is_one_clear_error(tmp_path):
