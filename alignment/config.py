@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raypai.alignment.losses import AGGREGATIONS, DPO_LOSSES
 from raypai.config import parse_config
 from raypai.errors import ConfigError
+
+# the names raypai.alignment.losses implements (a test keeps them equal), here so that configs (built by
+# every pipeline definition and CLI call) do not import torch
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 # how the rollout samples: raypai's own decoding loop (finished rows leave the batch, behaviour

@@ -38,11 +38,11 @@ def ds_config(cfg) -> dict:
 
 
 def train_loop(loop_cfg: dict) -> None:
-    import deepspeed
     import ray.train
     import torch
 
     from raypai.train import checkpoint
+    from raypai.train._deepspeed import import_deepspeed
     from raypai.train.clipping import clip, take_clipping
     from raypai.train.config import PretrainConfig
     from raypai.train.data import BlockOrder, Prefetcher, TokenShards
@@ -50,6 +50,7 @@ def train_loop(loop_cfg: dict) -> None:
     from raypai.train.model import build_model, measure_peak_flops
     from raypai.train.schedule import lr_multiplier
 
+    deepspeed = import_deepspeed()
     cfg = PretrainConfig.from_dict(loop_cfg["config"])
     plan = loop_cfg["plan"]
     torch.set_num_threads(cfg.threads_per_worker)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+from raypai.train._deepspeed import import_deepspeed
 from raypai.train.clipping import clip, grad_norm, take_clipping
 
 
@@ -17,9 +18,9 @@ def _free_port() -> int:
 
 def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
                 use_gpu: bool = False):
-    import deepspeed
     import torch
 
+    deepspeed = import_deepspeed()
     if not torch.distributed.is_initialized():
         # a role is a process group of its own: rendezvous values inherited from the node (another job,
         # an in-process vLLM that held its own port) would join a foreign group or a taken port

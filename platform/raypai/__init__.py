@@ -3,19 +3,39 @@
     from raypai import step, pipeline, run_pipeline, Artifact, StepContext
 """
 
-from raypai.artifacts import Artifact, ArtifactStore
-from raypai.context import StepContext
-from raypai.dsl import pipeline, step
-from raypai.errors import (ConfigError, DataError, DeployError, NotFoundError, PipelineError, RaypaiError,
-                           StoreError, TrainError)
-from raypai.runner import RunResult, Runner, StepResult, run_pipeline
-from raypai.settings import Settings
-from raypai.tracking import RunLogger, Tracker
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# Where each public name lives. They load on first use (PEP 562): a Ray actor that only needs
+# `raypai.alignment` does not import the runner, the metadata store, SQLAlchemy and pyarrow
+# (≈ 0.4 s of CPU in every role and task process, on machines where roles share the cores).
+_EXPORTS = {
+    "Artifact": "raypai.artifacts", "ArtifactStore": "raypai.artifacts", "StepContext": "raypai.context",
+    "pipeline": "raypai.dsl", "step": "raypai.dsl",
+    **{name: "raypai.errors" for name in ("ConfigError", "DataError", "DeployError", "NotFoundError", "PipelineError",
+                                          "RaypaiError", "StoreError", "TrainError")},
+    **{name: "raypai.runner" for name in ("RunResult", "Runner", "StepResult", "run_pipeline")},
+    "Settings": "raypai.settings", "RunLogger": "raypai.tracking", "Tracker": "raypai.tracking",
+}
 
 __all__ = [
     "step", "pipeline", "run_pipeline", "Artifact", "ArtifactStore", "StepContext", "Settings", "Runner", "RunResult",
     "StepResult", "RunLogger", "Tracker", "RaypaiError", "ConfigError", "DataError", "PipelineError",
     "StoreError", "TrainError", "DeployError", "NotFoundError",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raypai' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

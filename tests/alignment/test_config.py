@@ -118,3 +118,15 @@ def test_the_vllm_engine_without_vllm_names_the_install(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"rollout_engine='vllm' needs vLLM in the rollout's environment: "
                                           r"pip install 'raypai\[vllm\]'"):
         Rollout(path, engine="vllm")
+
+
+def test_the_configs_loss_names_are_the_ones_the_losses_implement():
+    """The configs name the DPO losses and GRPO aggregations without importing torch."""
+    import subprocess
+    import sys
+
+    from raypai.alignment import config, losses
+
+    assert config.DPO_LOSSES == tuple(losses.DPO_LOSSES) and config.AGGREGATIONS == losses.AGGREGATIONS
+    code = "import sys, raypai.alignment.config; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

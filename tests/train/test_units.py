@@ -373,3 +373,23 @@ def test_the_plan_sizes_the_model_on_the_meta_device_without_weights(tmp_path):
     (src / "model.safetensors").unlink()
     with pytest.raises(TrainError, match="init_from=.*no weights there"):
         build_model(ModelConfig(init_from=str(src)), 64, weights=False)
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
+    """Every trainer actor and Ray Train worker imports DeepSpeed; its autotuner's optional
+    `import mlflow` (≈ 1.2 s of CPU) is refused for that import only."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from raypai.train._deepspeed import import_deepspeed\n"
+            "ds = import_deepspeed()\n"
+            "assert ds.initialize and 'mlflow' not in sys.modules, sorted(m for m in sys.modules if 'mlflow' in m)\n"
+            "import mlflow\n"
+            "assert mlflow.__version__ and sys.modules['mlflow'] is mlflow\n"
+            "from deepspeed.autotuning.autotuner import has_mlflow\n"
+            "print('ok', has_mlflow)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok False"), out.stdout + out.stderr
