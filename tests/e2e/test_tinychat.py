@@ -9,8 +9,10 @@ from raypai.runner import Runner
 from raypai.serving.control import serve_port
 from raypai.store import MetadataStore
 
-SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, sft_steps=100, sft_lr=3e-3, rm_steps=60,
-             align_steps=6)
+# small enough for the test-time budget: one Ray Train worker (multi-worker pretraining is
+# tests/train's), 4 GRPO steps (each one evaluated and checkpointed)
+SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, workers=1, sft_steps=100, sft_lr=3e-3,
+             rm_steps=60, align_steps=4)
 
 
 def _chain(store, artifact_id: str) -> list[str]:
