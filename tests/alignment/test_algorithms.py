@@ -4,6 +4,7 @@ preference accuracy and margin, GRPO raises held-out exact match over the SFT mo
 learns from its own ranked samples, PPO trains its critic; a GRPO run whose trainer is killed resumes from its checkpoint."""
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -47,6 +48,31 @@ def sft(ray_align, tiny_model, tmp_path_factory):
     return str(out), metrics
 
 
+def sloppy_rows(items, share: float = 0.6, seed: int = 0) -> list[dict]:
+    """Two SFT rows per problem; in a seeded `share` of them the answer carries a stray "~" before
+    the number, which the exact-match reward scores 0 (a formatting habit, not an arithmetic one)."""
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": p.prompt},
+                          {"role": "assistant", "content": ("~" if rng.random() < share else "") + str(p.answer)}]}
+            for p in items for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def sloppy_sft(sft, tmp_path_factory):
+    """The SFT model after 100 more steps on answers of which 60 % carry a stray prefix: its greedy
+    answers to held-out sums mostly carry it too (held-out exact match 0.05–0.3 over three seeds).
+    The GRPO tests start here. From the clean SFT model, held-out exact match rose by GRPO on some
+    seeds and machines and not on others (0.7 → 0.7 and 0.5 → 0.5 on an AVX2 machine, where the
+    tests had passed on AVX-512 ones): the sums a tiny model gets wrong it does not learn from 80
+    others in 30 steps. A formatting habit is what RL on the training prompts removes on every
+    prompt (0.3 → 0.75, 0.05 → 0.3 and 0.3 → 0.85 for seeds 0, 1, 2 of this set-up), so the held-out test can
+    tell a GRPO that learns from one that does not."""
+    out = tmp_path_factory.mktemp("sloppy") / "model"
+    run_sft(sft[0], str(out), sft_examples(sloppy_rows(TRAIN)), SFT_HELD, SFTConfig(steps=100, lr=1e-3),
+            run_name="t-sloppy-sft")
+    return str(out)
+
+
 def test_sft_lowers_response_loss_and_exports_an_hf_folder(sft):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,11 +100,11 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     assert {"dpo/loss", "dpo/accuracy", "dpo/margin"} <= set(logger.rows[0][1])
 
 
-def test_grpo_raises_held_out_exact_match_over_sft(sft, tmp_path):
+def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path):
     logger = Sink()
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15)
-    g = run_grpo(sft[0], str(tmp_path / "grpo"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo", logger=logger,
+    g = run_grpo(sloppy_sft, str(tmp_path / "grpo"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo", logger=logger,
                  rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"])
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     logged = logger.rows[0][1]
@@ -87,13 +113,13 @@ def test_grpo_raises_held_out_exact_match_over_sft(sft, tmp_path):
         assert key in logged, key
 
 
-def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sft, tmp_path):
+def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sloppy_sft, tmp_path):
     """The next batch is generated while this one trains; the update's ratio is taken against the
     log-probs of the weights that sampled it, and held-out exact match still rises over SFT."""
     logger = Sink()
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15, async_rollout=True)
-    g = run_grpo(sft[0], str(tmp_path / "grpo-async"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo-async",
+    g = run_grpo(sloppy_sft, str(tmp_path / "grpo-async"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo-async",
                  logger=logger, rewards=EXACT)
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     steps = [m for s, m in logger.rows if s is not None]
