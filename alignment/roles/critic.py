@@ -9,7 +9,7 @@ import torch
 from raypai.alignment._tensors import to_device
 from raypai.alignment.losses import clipped_value_loss
 from raypai.alignment.roles._device import autocast, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step
 
 
 class Critic(Sleeps):
@@ -32,12 +32,12 @@ class Critic(Sleeps):
         return out.logits[:, :-1, 0].float()
 
     def values(self, batch: dict) -> torch.Tensor:
-        self.engine.eval()
+        set_mode(self.engine, False)
         with torch.no_grad():
             return self._values(to_device(batch, self.device)).cpu()
 
     def train_step(self, batch: dict, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> dict:
-        self.engine.train()
+        set_mode(self.engine, True)
         batch = to_device(batch, self.device)
         old_values, returns = old_values.to(self.device), returns.to(self.device)
         loss = clipped_value_loss(self._values(batch), old_values, returns, batch["response_mask"], clip)

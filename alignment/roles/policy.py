@@ -11,7 +11,7 @@ import torch
 from raypai.alignment._tensors import cpu_threads, select_rows, sequence_logprob, to_device, token_logprobs
 from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, step as engine_step
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
@@ -115,7 +115,7 @@ class PolicyTrainer(Sleeps):
         """Mean negative log-likelihood of the response tokens only; with `ptx` (B', T) pretraining
         blocks, plus ptx_coef × their language-modelling loss (InstructGPT's "PPO-ptx" mix, Ouyang
         et al. 2022 eq. 2, used here to keep SFT from erasing what pretraining learned)."""
-        self.engine.train()
+        set_mode(self.engine, True)
         batch, ptx = to_device(batch, self.device), maybe(ptx, self.device)
         self._threads_for(batch, *([{"attention_mask": ptx}] if ptx is not None and ptx_coef > 0 else []))
         m = batch["response_mask"]
@@ -132,7 +132,7 @@ class PolicyTrainer(Sleeps):
 
     def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
                  beta: float, loss_type: str, label_smoothing: float) -> dict:
-        self.engine.train()
+        set_mode(self.engine, True)
         chosen, rejected = to_device(chosen, self.device), to_device(rejected, self.device)
         ref_chosen, ref_rejected = maybe(ref_chosen, self.device), maybe(ref_rejected, self.device)
         self._threads_for(chosen, rejected)
@@ -164,7 +164,7 @@ class PolicyTrainer(Sleeps):
     def grpo_step(self, batch: dict, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, advantages: torch.Tensor,
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
                   max_len: int | None = None) -> dict:
-        self.engine.train()
+        set_mode(self.engine, True)
         batch, advantages = to_device(batch, self.device), advantages.to(self.device)
         old_lp, ref_lp = maybe(old_lp, self.device), maybe(ref_lp, self.device)
         self._threads_for(batch)
@@ -182,7 +182,7 @@ class PolicyTrainer(Sleeps):
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
-        self.engine.train()
+        set_mode(self.engine, True)
         batch, old_lp, advantages = to_device(batch, self.device), old_lp.to(self.device), advantages.to(self.device)
         self._threads_for(batch)
         m = batch["response_mask"]
@@ -194,7 +194,7 @@ class PolicyTrainer(Sleeps):
 
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
-        self.engine.eval()
+        set_mode(self.engine, False)
         batch = to_device(batch, self.device)
         self._threads_for(batch, passes=2)
         with torch.no_grad():
