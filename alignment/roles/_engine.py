@@ -42,6 +42,17 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
         # gradient, all-reduce it with itself and copy it back at each step, an identity that costs
         # two copies of the gradients and a collective call (ZeRO ≥ 1 reduces through its optimizer)
         engine.enable_backward_allreduce = False
+    if zero_stage == 0:
+        # after each fp32 stage-0 step DeepSpeed sets every gradient to None by walking the module tree
+        # (`named_parameters`, ≈ 0.4 ms a DPO step of the benchmark model on a CPU, 2 % of it); the
+        # same over a list of the parameters, made once
+        params = list(model.parameters())
+
+        def zero_grad():
+            for p in params:
+                p.grad = None
+
+        engine.zero_grad = zero_grad
     return engine
 
 

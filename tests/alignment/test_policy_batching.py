@@ -91,5 +91,11 @@ def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model)
     assert modes() == {True}
     trainer.logprobs(batch)
     assert modes() == {False}
-    trainer.dpo_step(batch, batch, torch.zeros(2), torch.zeros(2), 0.1, "sigmoid", 0.0)
+    before = [p.detach().clone() for p in trainer.engine.module.parameters()]
+    other = pad([s[:6] + [7, 8, 9][:n] for s, n in zip(seqs, (3, 1))], [[0] * 6 + [1] * n for n in (3, 1)], 0)
+    trainer.dpo_step(batch, other, torch.zeros(2), torch.zeros(2), 0.1, "sigmoid", 0.0)
     assert modes() == {True}
+    # the step moved the weights and left no gradient behind (the stage-0 zero_grad over a list)
+    params = list(trainer.engine.module.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, params))
+    assert all(p.grad is None for p in params)
