@@ -13,14 +13,14 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: install test test-floor test-vllm demo demo-stop bench clean
 
+# The last line: DeepSpeed JIT-compiles its CPU shared-memory comm op the first time a process group
+# starts (~30 s on 2 cores, then cached under ~/.cache/torch_extensions); built here, with the other
+# builds, rather than stalling the first training run (or test) on it.
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
-	# DeepSpeed JIT-compiles its CPU shared-memory comm op the first time a process group starts
-	# (~30 s on 2 cores, then cached under ~/.cache/torch_extensions): built here, with the other
-	# builds, rather than stalling the first training run (or test) on it.
 	$(BIN)/python -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()'
 	touch $(STAMP)
 
