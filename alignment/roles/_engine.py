@@ -4,16 +4,9 @@ the fused kernel; CUDA: NCCL, and the role runs its forward under bf16 autocast,
 from __future__ import annotations
 
 import os
-import socket
 
 from raypai.train._deepspeed import import_deepspeed
 from raypai.train.clipping import clip, grad_norm, take_clipping
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
@@ -23,10 +16,13 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     deepspeed = import_deepspeed()
     if not torch.distributed.is_initialized():
         # a role is a process group of its own: rendezvous values inherited from the node (another job,
-        # an in-process vLLM that held its own port) would join a foreign group or a taken port
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1")
-        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+        # an in-process vLLM that held its own port) would join a foreign group or a taken port. A group
+        # of one needs no rendezvous at all: an in-memory store, no TCP port (a port picked free and
+        # bound a moment later was once taken in between by another process's connection, EADDRINUSE)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        torch.distributed.init_process_group("nccl" if use_gpu else "gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")  # adopts the group
     # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
     # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed
     # precision, so the optimizer, clipping and sleep/wake see plain fp32 tensors

@@ -352,9 +352,12 @@ def test_a_trainer_engine_ignores_a_master_port_it_inherits(tmp_path):
                 "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
                 "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
                 "e = make_engine(m, lr=1e-3)\n"
-                "print('world', torch.distributed.get_world_size())\n")
+                "store = torch.distributed.distributed_c10d._get_default_store()\n"
+                "print('world', torch.distributed.get_world_size(), type(store.underlying_store).__name__)\n")
         env = {**os.environ, "MASTER_PORT": str(taken.getsockname()[1]), "WORLD_SIZE": "4", "RANK": "2",
                "DS_ACCELERATOR": "cpu"}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "world 1" in done.stdout
+    # a group of one with no TCP rendezvous: a port picked free and bound a moment later was once taken
+    # in between by another process's connection (EADDRINUSE in a fresh-clone `make test`)
+    assert "world 1 HashStore" in done.stdout, done.stdout
