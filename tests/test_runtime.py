@@ -79,9 +79,9 @@ def test_pick_port_keeps_a_free_default_and_replaces_a_taken_one():
     assert runtime.port_is_free(free)  # released
 
 
-def test_a_stopped_servers_time_wait_connections_do_not_hold_its_port():
-    """After a server (Ray's GCS) stops, its closed connections linger in TIME_WAIT; a new server
-    binds with SO_REUSEADDR regardless, so the port counts as free again."""
+def _stopped_server_port() -> tuple[int, bool]:
+    """(port, whether `port_is_free` said free while its server listened): a loopback server that
+    accepted one connection, closed its end first (which then waits in TIME_WAIT) and stopped."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", 0))
@@ -89,26 +89,25 @@ def test_a_stopped_servers_time_wait_connections_do_not_hold_its_port():
     port = srv.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))
     accepted, _ = srv.accept()
-    assert not runtime.port_is_free(port)
+    free_while_serving = runtime.port_is_free(port)
     accepted.close()  # the server side closes first: its end waits in TIME_WAIT
     srv.close()
     client.close()
+    return port, free_while_serving
+
+
+def test_a_stopped_servers_time_wait_connections_do_not_hold_its_port():
+    """After a server (Ray's GCS) stops, its closed connections linger in TIME_WAIT; a new server
+    binds with SO_REUSEADDR regardless, so the port counts as free again."""
+    port, free_while_serving = _stopped_server_port()
+    assert not free_while_serving
     assert runtime.port_is_free(port)
 
 
 def test_hold_takes_a_port_whose_stopped_server_left_time_wait_connections():
     """CI failed with `hold(8265)` refused: another test's Ray dashboard had stopped on 8265 moments
     before and its connections waited in TIME_WAIT. A free port (by `port_is_free`) must be holdable."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    port = srv.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))
-    accepted, _ = srv.accept()
-    accepted.close()  # the server side closes first: its end waits in TIME_WAIT
-    srv.close()
-    client.close()
+    port, _ = _stopped_server_port()
     assert runtime.port_is_free(port)
     with hold(port) as held:
         assert held == {port} and not runtime.port_is_free(port)
