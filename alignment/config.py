@@ -9,11 +9,6 @@ from dataclasses import dataclass
 from raypai.config import parse_config
 from raypai.errors import ConfigError
 
-# the names raypai.alignment.losses implements (a test keeps them equal), here so that configs (built by
-# every pipeline definition and CLI call) do not import torch
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
-
 
 # how the rollout samples: raypai's own decoding loop (finished rows leave the batch, behaviour
 # log-probs from the sampling pass), transformers' `generate` (for a model the loop cannot drive) or
@@ -116,6 +111,8 @@ class DPOConfig:
     gpus: float = 0.0
 
     def validate(self):
+        from raypai.alignment.losses import DPO_LOSSES  # here: building a config (a pipeline definition) needs no torch
+
         p = []
         _positive(self, ("steps", "batch_size", "lr", "beta"), p)
         if self.loss_type not in DPO_LOSSES:
@@ -171,6 +168,8 @@ class GRPOConfig:
     gpus: float = 0.0
 
     def validate(self):
+        from raypai.alignment.losses import AGGREGATIONS  # as DPOConfig.validate
+
         p = []
         _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
                          "checkpoint_every", "rollout_replicas"), p)
