@@ -181,7 +181,8 @@ def shared_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, where
 
 
 # Rows that share a prompt are laid out as one packed sequence (prompt, then each continuation) while
-# that sequence is at most this long; past it, the prompt and the continuations run as two passes.
+# that sequence is at most this long; past it, the prompts and the continuations are split for
+# attention (`_split`).
 # Packing halves the number of operations (one pass through each layer instead of two), which is
 # what a step costs at short lengths; its attention is quadratic in the packed length, though, and
 # at this length it stays a small part of the layer's matrix products (2·L·hidden against the
@@ -209,7 +210,7 @@ def lean_response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
     off = plen + (earlier * inputs[None, :]).sum(1)
     if int((off + inputs).max()) <= PACKED_MAX_LEN:
         return _packed(model, input_ids, where, plen, slen, off, group, firsts)
-    return _two_pass(model, input_ids, where, plen, slen, group, firsts)
+    return _split(model, input_ids, where, plen, slen, group, firsts)
 
 
 def _logprobs_at(model, h: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, lab: torch.Tensor,
@@ -266,33 +267,59 @@ def _packed(model, input_ids, where, plen, slen, off, group, firsts) -> torch.Te
     return _logprobs_at(model, _rms(inner.norm, h), input_ids[rows, plen[rows] + jj], rows, lab[rows, jj], (B, T - 1))
 
 
-def _two_pass(model, input_ids, where, plen, slen, group, firsts) -> torch.Tensor:
-    """Prompts (U, Lp) in one pass and continuations (B, Ls) in another, each continuation's queries
-    attending to its prompt's keys and causally to its own: attention stays per row, for long ones."""
+def _split(model, input_ids, where, plen, slen, group, firsts) -> torch.Tensor:
+    """The prompts (U, Lp) and the continuations (B, Li) as one list of tokens for every per-token
+    operation (norms, rotary, projections, MLP: one pass through each layer, as packed), split only
+    for attention: the prompts causally among themselves, each continuation's queries over its
+    prompt's keys and then causally over its own. Attention per row stays (Lp + Li)·Li pairs where
+    packed spends (the whole group's length)² under a block mask, most of it masked out."""
     inner, s = model.model, _Shape(model.config)
     B, T = input_ids.shape
     dev = input_ids.device
-    Lp, Ls = int(plen.max()), int(slen.max())
+    U, Lp = len(firsts), int(plen.max())
+    Li = max(int((slen - 1).max()), 1)  # a continuation's last token is a label only, not an input
+    n_p = U * Lp
     cols = torch.arange(Lp, device=dev)
-    p_ids = input_ids[firsts, :Lp]
-    at = plen[:, None] + torch.arange(Ls, device=dev)  # (B, Ls) absolute positions of the suffix tokens
-    s_ids = input_ids.gather(1, at.clamp(max=T - 1))
-    s_real = at < (plen + slen)[:, None]
-    x, x_p = inner.embed_tokens(s_ids), inner.embed_tokens(p_ids)
-    cos, sin = _rotary(*inner.rotary_emb(x, at))
-    cos_p, sin_p = _rotary(*inner.rotary_emb(x_p, cols[None]))
-    # a suffix query sees its row's prefix (not the padding past its length), then the suffix causally
-    pmask = (cols[None] < plen[:, None])[:, None, None, :].expand(B, 1, Ls, Lp)  # (B, 1, Ls, Lp)
-    causal = torch.ones((Ls, Ls), dtype=torch.bool, device=dev).tril().expand(B, 1, Ls, Ls)
-    mask = torch.cat([pmask, causal], dim=-1)  # (B, 1, Ls, Lp + Ls)
-    x, x_p = _layer_stack(inner, s, x, cos, sin, mask, (x_p, cos_p, sin_p, group))
-    h, h_p = _rms(inner.norm, x), _rms(inner.norm, x_p)
-    # label position plen−1+j predicts suffix token j: j = 0 from the prefix's last position
-    h = torch.cat([h_p[group, plen - 1][:, None], h[:, :-1]], dim=1)  # (B, Ls, hidden)
-    lab = at - 1  # (B, Ls) label positions
-    want = where.bool().gather(1, lab.clamp(max=T - 2)) & s_real
-    rows, j = want.nonzero(as_tuple=True)
-    return _logprobs_at(model, h[want], s_ids[want], rows, lab[rows, j], (B, T - 1))
+    at = plen[:, None] + torch.arange(Li, device=dev)  # (B, Li) the inputs' positions in their own rows
+    ids = torch.cat([input_ids[firsts, :Lp].reshape(-1), input_ids.gather(1, at.clamp(max=T - 1)).reshape(-1)])
+    pos = torch.cat([cols.repeat(U), at.reshape(-1)])
+    x = inner.embed_tokens(ids)  # (N, hidden)
+    cos, sin = _rotary(*inner.rotary_emb(x[None], pos[None]))
+    cos, sin = cos[0], sin[0]  # (N, 1, D)
+    # a continuation query sees its prompt (not the padding past its length), then its own inputs causally
+    pmask = (cols[None] < plen[:, None])[:, None, None, :].expand(B, 1, Li, Lp)
+    causal = torch.ones((Li, Li), dtype=torch.bool, device=dev).tril().expand(B, 1, Li, Li)
+    mask = torch.cat([pmask, causal], dim=-1)  # (B, 1, Li, Lp + Li)
+    # label j of row b is predicted by the prompt's last state for j = 0, else by the row's input j − 1
+    j = torch.arange(int(slen.max()), device=dev)
+    lab = plen[:, None] + j - 1  # (B, Ls) label positions
+    want = where.bool().gather(1, lab.clamp(max=T - 2)) & (j[None] < slen[:, None])
+    rows, jj = want.nonzero(as_tuple=True)
+    keep = torch.where(jj == 0, group[rows] * Lp + plen[rows] - 1, n_p + rows * Li + jj - 1)
+    H, KV, D = s.heads, s.kv_heads, s.head_dim
+    gqa = H != KV
+    last = len(inner.layers) - 1
+
+    def heads(t: torch.Tensor, n: int, L: int) -> torch.Tensor:  # (n·L, heads, D) -> (n, heads, L, D)
+        return t.view(n, L, -1, D).transpose(1, 2)
+
+    for i, layer in enumerate(inner.layers):
+        qkv, gate_up = _fused(layer)
+        h = F.linear(_rms(layer.input_layernorm, x), *qkv).view(-1, H + 2 * KV, D)
+        qk, v = h.split([H + KV, KV], dim=1)
+        q, k = (qk * cos + qk.roll(D // 2, -1) * sin).split([H, KV], dim=1)
+        (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, B * Li]) for t in (q, k, v))
+        kp, vp = heads(kp, U, Lp), heads(vp, U, Lp)
+        # right-padded prompts: causal attention never reaches a prompt's padding
+        op = F.scaled_dot_product_attention(heads(qp, U, Lp), kp, vp, is_causal=True, enable_gqa=gqa)
+        os_ = F.scaled_dot_product_attention(heads(qs, B, Li), torch.cat([kp[group], heads(ks, B, Li)], dim=2),
+                                             torch.cat([vp[group], heads(vs, B, Li)], dim=2), attn_mask=mask,
+                                             enable_gqa=gqa)
+        o = torch.cat([op.transpose(1, 2).reshape(n_p, H * D), os_.transpose(1, 2).reshape(B * Li, H * D)])
+        if i == last:
+            x, o = x[keep], o[keep]
+        x = _finish(layer, gate_up, x, o)
+    return _logprobs_at(model, _rms(inner.norm, x), input_ids[rows, plen[rows] + jj], rows, lab[rows, jj], (B, T - 1))
 
 
 class LeanDecoder:

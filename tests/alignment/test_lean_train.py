@@ -83,17 +83,17 @@ def _grouped_batch():
     return pad(seqs, masks, 0)
 
 
-@pytest.mark.parametrize("layout", ["packed", "two-pass"])
+@pytest.mark.parametrize("layout", ["packed", "split"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(family, layout, monkeypatch):
     """Both layouts: each prompt and its continuations packed into one sequence, and (past
-    PACKED_MAX_LEN) the prompts and the continuations as two passes."""
+    PACKED_MAX_LEN) the prompts and the continuations as one list of tokens, split for attention."""
     import raypai.alignment._lean as lean
 
-    if layout == "two-pass":
+    if layout == "split":
         monkeypatch.setattr(lean, "PACKED_MAX_LEN", 0)
     used = []
-    for name in ("_packed", "_two_pass"):
+    for name in ("_packed", "_split"):
         monkeypatch.setattr(lean, name, lambda *a, _f=getattr(lean, name), _n=name: used.append(_n) or _f(*a))
     model = _model(family).train()
     b = _grouped_batch()
@@ -101,7 +101,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
     plen, group, firsts = shared_prefixes(ids, att, resp)
     assert plen.tolist() == [7, 7, 7, 4, 4, 5] and group.tolist() == [0, 0, 0, 1, 1, 2] and len(firsts) == 3
     mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)
-    assert used == ["_packed" if layout == "packed" else "_two_pass"]
+    assert used == ["_packed" if layout == "packed" else "_split"]
     ref, ref_grads = _lp_and_grads(model, ids, att, resp, lean=False)
     on = resp.bool()
     assert torch.allclose(mine[on], ref[on], atol=1e-5), (mine[on] - ref[on]).abs().max()
