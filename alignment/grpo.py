@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import asdict
 
 import ray
@@ -103,9 +104,45 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
         gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
         # async: the first batch is launched now; every later one while the previous step trains
         pending = launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen) if cfg.async_rollout else None
-        loads: list = []  # async weight loads queued on the replicas, checked once the step is done
+        loads: list = []  # the weight loads queued on the replicas by the last step's sync
+        queued = None  # async: the last step, its update queued on the trainer and not yet waited for
+        done_at = time.perf_counter()  # when the last step finished (step_seconds: the wall time between two)
+
+        def finish(step_t) -> dict:
+            """Wait for a step's update and weight loads; its metrics."""
+            nonlocal done_at
+            step, update, loads_t, t, s, rewards, offload = step_t
+            with t("time_train"):  # synchronous: the update; async: what is left of it when the driver asks
+                m = ray.get(update)
+            with t("time_sync"):  # the replicas' loads (each runs after the work already queued on it)
+                sizes = wait_loads(loads_t)
+            now = time.perf_counter()
+            seconds, done_at = now - done_at, now
+            return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                    "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
+                    "entropy": m["entropy"], "grad_norm": m["grad_norm"], "update_seconds": m["update_seconds"],
+                    "response_length": response_length(s.batch), "sync_bytes": sizes[0] if sizes else 0,
+                    "sync_seconds": t.seconds["time_sync"], **t.seconds, **offload, "samples": len(s.completions),
+                    # measured: trainer updates between the weights that sampled this batch and the update
+                    "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
+                    "step_seconds": seconds, "samples_per_s": len(s.completions) / seconds}
+
+        def record(step: int, metrics: dict) -> None:
+            nonlocal done_at
+            if step % cfg.eval_every == 0:
+                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
+                print(f"[raypai.grpo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
+                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
+            if checkpoint_dir and step % cfg.checkpoint_every == 0:
+                metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
+                                                         rollouts=rollouts)
+            if logger is not None:
+                logger.log_metrics(metrics, step=step)
+            history.append(metrics)
+            done_at = time.perf_counter()  # evaluation, checkpoint and logging are not a step's time
+
         for step in range(start + 1, cfg.steps + 1):
-            t = Sections()
+            t, offload = Sections(), {}
             with t("time_rollout"):  # async: only the wait for the generation that ran during the last step
                 if cfg.async_rollout:
                     s = collect(pending, pad_id=pad_id)
@@ -128,41 +165,32 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
             rewards = to_tensor(scores["total"])
             adv = grpo_advantages(rewards, cfg.group_size)  # (B,) one per completion
+            # queued on the trainer (it runs its calls in order), then the sync queued on every
+            # replica: each loads the new weights after the work already submitted to it (async: the
+            # generation in flight) and before the next generation
             with t("time_train"):
                 for _ in range(cfg.inner_iterations):
-                    m = ray.get(policy.grpo_step.remote(s.batch, old_lp, ref_lp, adv, cfg.clip_eps, cfg.clip_eps_high,
-                                                        cfg.beta, cfg.aggregation, cfg.max_new_tokens))
+                    update = policy.grpo_step.remote(s.batch, old_lp, ref_lp, adv, cfg.clip_eps, cfg.clip_eps_high,
+                                                     cfg.beta, cfg.aggregation, cfg.max_new_tokens)
             with t("time_sync"):
-                # queued on every replica: each loads the new weights after the work already submitted
-                # to it (async: the generation in flight) and before the next generation; the driver
-                # goes on. The previous step's loads are done by now (a replica ran them before sampling).
-                sizes, loads = wait_loads(loads), start_sync(policy, rollouts)
-                sync = {"sync_bytes": sizes[0] if sizes else 0}
-            # what the driver waited; the copy itself runs on the trainer and the replicas, in the
-            # rollout's time when synchronous
-            sync["sync_seconds"] = t.seconds["time_sync"]
-            metrics = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                       "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
-                       "entropy": m["entropy"], "grad_norm": m["grad_norm"], "response_length": response_length(s.batch),
-                       **sync, **t.seconds, **(offload if g else {}), "samples": len(s.completions),
-                       # measured: trainer updates between the weights that sampled this batch and the update
-                       "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
-                       "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
-            if step % cfg.eval_every == 0:
-                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
-                print(f"[raypai.grpo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
-            if checkpoint_dir and step % cfg.checkpoint_every == 0:
-                metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
-                                                         rollouts=rollouts)
-            if logger is not None:
-                logger.log_metrics(metrics, step=step)
-            history.append(metrics)
+                this = (step, update, start_sync(policy, rollouts), t, s, rewards, offload)
+            # async: the driver waits for the previous step's update only now, with this one queued
+            # behind it, so the trainer never idles while the driver collects, scores and submits;
+            # a step that evaluates or checkpoints (and the last) is waited for at once
+            if queued is not None:
+                record(queued[0], finish(queued))
+                queued = None
+            if cfg.async_rollout and not (step == cfg.steps or step % cfg.eval_every == 0
+                                          or (checkpoint_dir and step % cfg.checkpoint_every == 0)):
+                queued = this
+            else:
+                record(step, finish(this))
+            loads = this[2]
         wait_loads(loads)  # the last weights are on every replica before the final evaluation
         summary = {"eval_reward_before": eval_before,
                    "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),
-                   **mean_of(history, ("reward_mean", "sync_seconds", *TIMES)),
+                   **mean_of(history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)),
                    "sync_bytes": history[-1]["sync_bytes"] if history else 0}
         ray.get(policy.export.remote(out_dir, {"algorithm": "grpo", "config": asdict(cfg), "metrics": summary,
                                                "lineage": lineage or {}}))

@@ -39,7 +39,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-SPLIT = ("time_rollout", "time_reference", "time_reward", "time_train", "time_sync")
+SPLIT = ("time_rollout", "time_reference", "time_reward", "time_train", "time_sync", "update_seconds")
 
 
 def emit(row: dict) -> None:
@@ -268,6 +268,7 @@ def main() -> None:
     ap.add_argument("--sync-rollout-replicas", default="1,2",
                     help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
                          "replicas split the batch and the cores)")
+    ap.add_argument("--modes", default="sync,async", help="raypai GRPO runs: sync, async or both")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
     ap.add_argument("--rounds", type=int, default=3, help="every configuration this many times, interleaved; "
                                                           "the summary lines take medians")
@@ -300,9 +301,11 @@ def main() -> None:
             if args.only in (None, "grpo"):
                 for batch in args.batches.split(","):
                     prompts, group = map(int, batch.split("x"))
+                    modes = args.modes.split(",")
                     runs = [lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
-                            for r in args.sync_rollout_replicas.split(",")]
-                    runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
+                            for r in args.sync_rollout_replicas.split(",") if "sync" in modes]
+                    if "async" in modes:
+                        runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
                     if not args.no_trl:  # TRL at each thread count: its best is the baseline
                         runs += [lambda n=int(n): with_threads(n, lambda: run_trl_grpo(model, out, args, prompts, group))
                                  for n in args.trl_threads.split(",")]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -164,6 +165,8 @@ class PolicyTrainer(Sleeps):
     def grpo_step(self, batch: dict, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, advantages: torch.Tensor,
                   clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
                   max_len: int | None = None) -> dict:
+        """One update; `update_seconds`: its own time in this actor (the driver may wait less, or more)."""
+        t0 = time.perf_counter()
         set_mode(self.engine, True)
         batch, advantages = to_device(batch, self.device), advantages.to(self.device)
         old_lp, ref_lp = maybe(old_lp, self.device), maybe(ref_lp, self.device)
@@ -177,8 +180,9 @@ class PolicyTrainer(Sleeps):
                                 clip_eps_high=clip_eps_high, beta=beta, aggregation=aggregation, max_len=max_len)
         # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
         entropy = -masked_mean(lp.detach(), batch["response_mask"]).item()
-        return {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
-                **{k: v.item() for k, v in stats.items()}}
+        out = {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
+               **{k: v.item() for k, v in stats.items()}}
+        return {**out, "update_seconds": time.perf_counter() - t0}
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""
