@@ -100,23 +100,53 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     assert {"dpo/loss", "dpo/accuracy", "dpo/margin"} <= set(logger.rows[0][1])
 
 
-def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path):
-    logger = Sink()
+def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeypatch):
+    logger, order = Sink(), UpdateOrder(monkeypatch)
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15)
     g = run_grpo(sloppy_sft, str(tmp_path / "grpo"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo", logger=logger,
                  rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"])
     assert g["eval_reward_after"] > g["eval_reward_before"], g
+    assert order.waited_first() == list(range(1, 30))  # synchronous: every update is waited for in turn
     logged = logger.rows[0][1]
     for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "policy_loss",
                 "sync_seconds", "sync_bytes", "samples_per_s", "time_rollout", "time_train"):
         assert key in logged, key
 
 
-def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sloppy_sft, tmp_path):
+class UpdateOrder:
+    """Watches the driver: each policy update it submits (`PolicyTrainer.grpo_step`) and the first
+    `ray.get` that waits for it. `waited_first()`: the steps whose update the driver waited for
+    before it submitted the next step's (a spy on the real calls; nothing is replaced)."""
+
+    def __init__(self, monkeypatch):
+        self.events: list = []
+        remote, get = ray.actor.ActorMethod._remote, ray.get
+
+        def spy_remote(method, *a, **k):
+            ref = remote(method, *a, **k)
+            if method._method_name == "grpo_step":
+                self.events.append(("submit", ref))
+            return ref
+
+        def spy_get(refs, *a, **k):
+            self.events.append(("get", refs))
+            return get(refs, *a, **k)
+
+        monkeypatch.setattr(ray.actor.ActorMethod, "_remote", spy_remote)
+        monkeypatch.setattr(ray, "get", spy_get)
+
+    def waited_first(self) -> list[int]:
+        submitted = [i for i, (kind, _) in enumerate(self.events) if kind == "submit"]
+        refs = [self.events[i][1] for i in submitted]
+        waits = [next(i for i, (kind, r) in enumerate(self.events) if kind == "get" and r is ref) for ref in refs]
+        return [k + 1 for k in range(len(refs) - 1) if waits[k] < submitted[k + 1]]
+
+
+def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sloppy_sft, tmp_path, monkeypatch):
     """The next batch is generated while this one trains; the update's ratio is taken against the
     log-probs of the weights that sampled it, and held-out exact match still rises over SFT."""
-    logger = Sink()
+    logger, order = Sink(), UpdateOrder(monkeypatch)
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15, async_rollout=True)
     g = run_grpo(sloppy_sft, str(tmp_path / "grpo-async"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo-async",
@@ -128,6 +158,11 @@ def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(slo
     # stale samples: the ratio leaves 1 and some tokens are clipped (on-policy μ = 1 never clips)
     assert max(m["clip_fraction"] for m in steps) > 0
     assert all(m["sync_bytes"] > 0 for m in steps[1:])
+    # the driver queues each update behind the running one before it waits for the running one's
+    # result, so the trainer never idles while the driver collects and scores; only the step that
+    # evaluates (15) is waited for at once
+    assert order.waited_first() == [15]
+    assert all(m["update_seconds"] > 0 for m in steps)
 
 
 def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path):
