@@ -98,6 +98,7 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     assert dpo["preference_accuracy_after"] > dpo["preference_accuracy_before"]
     assert dpo["margin_after"] > dpo["margin_before"]
     assert {"dpo/loss", "dpo/accuracy", "dpo/margin"} <= set(logger.rows[0][1])
+    assert [step for step, _ in logger.rows if step is not None] == list(range(1, 26))  # each step once, in order
 
 
 def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ def test_selected_rows_equal_the_rows_re_padded_alone():
 
 def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
     """Offline DPO hands the trainer its pairs once and names rows per step: the same update as
-    shipping the rows' tensors."""
+    shipping the rows' tensors; several steps in one call are the same steps."""
     from raypai.alignment._tensors import select_rows
     from raypai.alignment.roles.policy import PolicyTrainer
 
@@ -60,11 +60,19 @@ def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
     ref_c, ref_r = -torch.rand(4) * 10, -torch.rand(4) * 10
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
     assert b.hold_pairs(chosen, rejected, ref_c, ref_r) == 4
-    for idx in ([2, 0], [1, 3, 3]):
+    c = PolicyTrainer(tiny_model, 1e-3, seed=0)
+    c.hold_pairs(chosen, rejected, ref_c, ref_r)
+    steps, one_by_one = ([2, 0], [1, 3, 3], [0]), []
+    for idx in steps:
         t = torch.tensor(idx)
         shipped = a.dpo_step(select_rows(chosen, t), select_rows(rejected, t), ref_c[t], ref_r[t], 0.1, "sigmoid", 0.0)
         held = b.dpo_step_held(idx, 0.1, "sigmoid", 0.0)
         assert shipped == held
+        one_by_one.append(held)
+    # several steps in one call: the same steps, in order
+    assert c.dpo_steps_held(list(steps), 0.1, "sigmoid", 0.0) == one_by_one
+    for p, q in zip(b.engine.module.parameters(), c.engine.module.parameters()):
+        assert torch.equal(p, q)
     for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()):
         assert torch.equal(p, q)
     assert any(not torch.equal(p, q) for p, q in zip(a.engine.module.parameters(),
