@@ -17,6 +17,7 @@ now known. Other stages and precisions keep DeepSpeed's own clipping and norm.
 from __future__ import annotations
 
 NORM_ATTR = "raypai_grad_norm"
+PARAMS_ATTR = "raypai_params"
 
 
 def take_clipping(conf: dict) -> float | None:
@@ -39,7 +40,10 @@ def clip(engine, max_norm: float | None) -> None:
 
     if max_norm is None or not engine.is_gradient_accumulation_boundary():
         return
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    # the parameters as a list made once where the engine carries one (`PARAMS_ATTR`: walking the
+    # module tree is ≈ 0.6 ms a step for a 4-layer model, 3 % of a small DPO step on a CPU)
+    params = getattr(engine, PARAMS_ATTR, None) or engine.module.parameters()
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     # DeepSpeed's own arithmetic (its clip_grad_norm_ at one model-parallel rank, gradients already
