@@ -21,7 +21,7 @@ Per-phase split for both: raypai's rollout/reward/train/sync seconds per step, T
 generate-and-score vs the rest of its step.
 
 DPO: the same model on preference pairs built from the same sums (chosen = the right answer,
-rejected = a wrong one), batch 8 pairs, β 0.1, `--dpo-steps` steps; pairs/s after the first step,
+rejected = a wrong one), batch 8 pairs, β 0.1, `--dpo-steps` steps (default 100); pairs/s after the first step,
 raypai `run_dpo` (reference log-probs computed once by the Reference actor) vs TRL `DPOTrainer`
 (fp32, its reference model in the same process, `precompute_ref_log_probs` on).
 """
@@ -256,7 +256,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64, help="size of the prompt pool")
     ap.add_argument("--batches", default="1x8,8x8", help="prompts x group per step, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--dpo-steps", type=int, default=20)
+    # 100: a DPO step of this model takes 20-40 ms, so 20 steps timed half a second on each side,
+    # where this shared 2-vCPU machine's slow spells moved the ratio by ±10 % between rounds
+    ap.add_argument("--dpo-steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
     ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
