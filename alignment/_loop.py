@@ -130,6 +130,22 @@ def mean_of(history: list[dict], keys) -> dict:
     return out
 
 
+def end_step(algo: str, step: int, metrics: dict, *, steps: int, eval_every: int, evaluate, checkpoint_every: int,
+             checkpoint, logger, history: list) -> None:
+    """An RL loop's end of step: every `eval_every` steps the held-out reward (`evaluate()`), every
+    `checkpoint_every` steps a checkpoint (`checkpoint(step)` → seconds; None: no checkpoints), then
+    the metrics logged and kept."""
+    if step % eval_every == 0:
+        metrics["eval_reward"] = evaluate()
+        print(f"[raypai.{algo}] step {step}/{steps} reward {metrics['reward_mean']:.3f} "
+              f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
+    if checkpoint is not None and step % checkpoint_every == 0:
+        metrics["checkpoint_seconds"] = checkpoint(step)
+    if logger is not None:
+        logger.log_metrics(metrics, step=step)
+    history.append(metrics)
+
+
 def to_tensor(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 

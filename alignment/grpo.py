@@ -24,7 +24,8 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, asleep, collect, launch, mean_of, response_length, score, throughput, to_tensor
+from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length, score,
+                                    throughput, to_tensor)
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -104,7 +105,6 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
         gen = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
         # async: the first batch is launched now; every later one while the previous step trains
         pending = launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen) if cfg.async_rollout else None
-        loads: list = []  # the weight loads queued on the replicas by the last step's sync
         queued = None  # async: the last step, its update queued on the trainer and not yet waited for
         done_at = time.perf_counter()  # when the last step finished (step_seconds: the wall time between two)
 
@@ -127,18 +127,15 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                     "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
                     "step_seconds": seconds, "samples_per_s": len(s.completions) / seconds}
 
+        def checkpoint(step: int) -> float:
+            return save_run(checkpoint_dir, step=step, rng=rng, policy=policy, rollouts=rollouts)
+
         def record(step: int, metrics: dict) -> None:
             nonlocal done_at
-            if step % cfg.eval_every == 0:
-                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
-                print(f"[raypai.grpo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
-            if checkpoint_dir and step % cfg.checkpoint_every == 0:
-                metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
-                                                         rollouts=rollouts)
-            if logger is not None:
-                logger.log_metrics(metrics, step=step)
-            history.append(metrics)
+            end_step("grpo", step, metrics, steps=cfg.steps, eval_every=cfg.eval_every,
+                     evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+                     checkpoint_every=cfg.checkpoint_every, checkpoint=checkpoint if checkpoint_dir else None,
+                     logger=logger, history=history)
             done_at = time.perf_counter()  # evaluation, checkpoint and logging are not a step's time
 
         for step in range(start + 1, cfg.steps + 1):
@@ -185,8 +182,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 queued = this
             else:
                 record(step, finish(this))
-            loads = this[2]
-        wait_loads(loads)  # the last weights are on every replica before the final evaluation
+        # the last step was waited for, its weight loads included: every replica has the final weights
         summary = {"eval_reward_before": eval_before,
                    "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),

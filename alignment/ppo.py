@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, asleep, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment._loop import Sections, asleep, end_step, mean_of, response_length, sample, throughput, to_tensor
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -102,16 +102,12 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
                        "response_length": response_length(s.batch), **sync, **t.seconds, **offload,
                        "samples": len(s.completions),
                        "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
-            if step % cfg.eval_every == 0:
-                metrics["eval_reward"] = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
-                print(f"[raypai.ppo] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                      f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
-            if checkpoint_dir and step % cfg.checkpoint_every == 0:
-                metrics["checkpoint_seconds"] = save_run(checkpoint_dir, step=step, rng=rng, policy=policy,
-                                                         rollouts=rollouts, critic=critic)
-            if logger is not None:
-                logger.log_metrics(metrics, step=step)
-            history.append(metrics)
+            end_step("ppo", step, metrics, steps=cfg.steps, eval_every=cfg.eval_every,
+                     evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+                     checkpoint_every=cfg.checkpoint_every,
+                     checkpoint=(lambda k: save_run(checkpoint_dir, step=k, rng=rng, policy=policy, rollouts=rollouts,
+                                                    critic=critic)) if checkpoint_dir else None,
+                     logger=logger, history=history)
         summary = {"eval_reward_before": eval_before,
                    "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                    "steps_run": len(history), "samples_per_s": throughput(history),
