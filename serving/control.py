@@ -31,6 +31,34 @@ def serve_port(settings: Settings | None = None) -> int:
     return int(os.environ.get("RAYPAI_SERVE_PORT", "8000"))
 
 
+def _serve_running() -> bool:
+    """Serve's controller is alive in this Ray (its name and namespace are Ray Serve's)."""
+    import ray
+
+    try:
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    except ValueError:
+        return False
+    return True
+
+
+def _check_port_free(port: int) -> None:
+    """Before Serve first starts: its proxy binds with SO_REUSEPORT, so on a port another server holds
+    the same way (another Ray's Serve: a second checkout, a test process, `make demo`) both would listen
+    and the kernel would split requests between the two endpoints. Checked where the proxy will run,
+    the head node; a driver on another node cannot see that machine's ports."""
+    import ray
+
+    from raypai.runtime import port_is_free
+
+    head = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
+    if head != ray.get_runtime_context().get_node_id() or port_is_free(port):
+        return
+    raise DeployError(f"Serve port {port} is already in use on this machine (another Ray's Serve, or another "
+                      "server; Serve would share it and split requests with it); set RAYPAI_SERVE_PORT (or "
+                      "serve_port in the raypai config) to a free port, or stop whatever listens on it")
+
+
 class Controller:
     def __init__(self, settings: Settings, store: MetadataStore | None = None, tracker: Tracker | None = None):
         self.settings = settings
@@ -40,6 +68,8 @@ class Controller:
     # ---- Serve ---------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if not _serve_running():
+            _check_port_free(serve_port(self.settings))
         # host: settings.serve_host (RAYPAI_SERVE_HOST); 0.0.0.0 in the cluster manifests
         serve.start(http_options={"host": self.settings.serve_host, "port": serve_port(self.settings)})
         apps = serve.status().applications

@@ -38,8 +38,13 @@ def _free_port() -> int:
 
 # Serve's proxy binds its port with SO_REUSEPORT: two test processes (pytest-xdist workers, a
 # colleague's run, `make demo`) on the default 8000 would silently share each other's traffic.
-# Each test process gets a port of its own, unless the caller pinned one.
-os.environ.setdefault("RAYPAI_SERVE_PORT", str(_free_port()))
+# Each test process gets a port of its own, unless the caller pinned one. pytest-xdist's workers
+# inherit the environment of the process that started them, which loaded this file first: a port
+# this file chose there (marked with that process's id) is chosen again in each worker.
+if os.environ.get("_RAYPAI_TEST_SERVE_PORT_OF", str(os.getpid())) != str(os.getpid()) or \
+        "RAYPAI_SERVE_PORT" not in os.environ:
+    os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
+    os.environ["_RAYPAI_TEST_SERVE_PORT_OF"] = str(os.getpid())
 
 _PG_VAR = "RAYPAI_TEST_DATABASE_URL"
 _PG_SKIP = (f"{_PG_VAR} is not set: the production layer (PostgreSQL) is not tested; `make test` sets it "

@@ -72,6 +72,33 @@ def _api(stack, method, path, body=None, token="deploy"):
                          headers={"Authorization": f"Bearer {stack['tokens'][token]}"})
 
 
+def test_serve_refuses_a_port_another_server_already_listens_on(stack):
+    """Serve's proxy binds with SO_REUSEPORT, so on a port another server (another Ray's Serve) holds
+    the same way, both would listen and the kernel would split requests between them: a client would
+    reach the other endpoint (its tokens, its models) at random. Starting Serve refuses that port.
+    First in this module: the deploy API has started Serve (with no deployments yet); it is stopped
+    here, and started again at the end."""
+    from raypai.errors import DeployError
+    from raypai.serving.control import Controller
+
+    serve.shutdown()
+    with pytest.raises(ValueError):  # precondition: Serve has not started in this Ray yet
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("0.0.0.0", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        ctl = Controller(stack["settings"].replace(serve_port=port), store=stack["store"], tracker=stack["tracker"])
+        with pytest.raises(DeployError) as err:
+            ctl.start()
+    text = str(err.value)
+    assert f"Serve port {port} is already in use" in text and "RAYPAI_SERVE_PORT" in text, text
+    with pytest.raises(ValueError):  # nothing half-started: no Serve controller was created
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    Controller(stack["settings"], store=stack["store"], tracker=stack["tracker"]).start()  # as the module had it
+
+
 def test_deploy_query_canary_rollback_delete(stack):
     import openai
 
