@@ -116,6 +116,16 @@ def test_dpo_from_a_preference_file_raises_preference_accuracy(family, user_file
     assert d["preference_accuracy_after"] > d["preference_accuracy_before"] and d["margin_after"] > d["margin_before"], d
 
 
+class _Rows:
+    """Keeps the per-step metrics a run logs (the pipeline step's logger writes them to MLflow)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
 def _sampled_reward(model_dir: str, problems: list, chat: bool, n: int = 16) -> float:
     """Mean of the user's reward over n fresh samples (temperature 1) per prompt, seeded alike for every model."""
     import fam_rewards
@@ -135,14 +145,21 @@ def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(fami
     Not asserted: the held-out greedy reward. A 2-layer model does not learn addition from 80 sums, so
     over 30 steps it wandered (−0.05, −0.1, +0.1 for Qwen2, GPT-2 and Llama on one machine; it rose for
     all three on the machine earlier sessions used) while the training samples' reward rose by
-    0.08–0.10 for all three (≈ 6 standard errors); it is printed with the failure message."""
+    0.08–0.10 for all three (≈ 6 standard errors); it is printed with the failure message.
+    GPT-2 (its own forward, not the Llama-family fast path) trains with `async_rollout=True`: the
+    next batch is sampled from the weights one step behind, with its behaviour log-probs from the
+    rollout engine, and the policy must still learn."""
     tag = family["tag"]
     train = load(user_files[f"prompts_{tag}"], "prompt")
     held = load(user_files[f"prompts_{tag}_held"], "prompt")
     out = str(family["dir"] / "grpo")
+    logger = _Rows()
     g = run_grpo(family["sft"], out, train, held,
-                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=1e-3, max_new_tokens=4, eval_every=100),
-                 rewards=["fam_rewards:exact_answer"], run_name=f"fam-grpo-{family['name']}")
+                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=1e-3, max_new_tokens=4, eval_every=100,
+                            async_rollout=family["name"] == "gpt2"),
+                 rewards=["fam_rewards:exact_answer"], run_name=f"fam-grpo-{family['name']}", logger=logger)
+    lags = [m["policy_lag_steps"] for step, m in logger.rows if step is not None]
+    assert lags == ([0] + [1] * 29 if family["name"] == "gpt2" else [0] * 30), lags  # async: one step behind
     before, after = (_sampled_reward(m, TRAIN, CHAT[family["name"]]) for m in (family["sft"], out))
     assert after > before + 0.03, (before, after, g)
     family["grpo"] = out
