@@ -148,6 +148,10 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     dec = (lean_decoder(model) if lean else None) or _ModelDecoder(model)
     compiled = compiled and device.type == "cpu" and isinstance(dec, LeanDecoder)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        step_flops = 2 * B * sum(p.numel() for p in model.parameters())
+        torch.set_num_threads(cpu_threads(step_flops, STEP_FLOPS_PER_THREAD, threads))
     ids, mask = left_pad([list(p) for p in unique], pad_id, device, COMPILED_WIDTH_MULTIPLE if compiled else 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
     logits = dec.prefill(ids, mask, pos, max_new_tokens)
@@ -160,10 +164,6 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     if static is None:
         static = device.type == "cuda" or compiled
     static = static and getattr(dec, "static_ok", False)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        step_flops = 2 * B * sum(p.numel() for p in model.parameters())
-        torch.set_num_threads(cpu_threads(step_flops, STEP_FLOPS_PER_THREAD, threads))
     try:
         if static:
             dec.start_static(torch.zeros(B, dtype=torch.long, device=device), nxt_pos)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from raypai.alignment._decode import decode, left_pad
-from raypai.alignment._tensors import pad, to_device, token_logprobs
+from raypai.alignment._decode import STEP_FLOPS_PER_THREAD, decode, left_pad
+from raypai.alignment._tensors import cpu_threads, pad, to_device, token_logprobs
 from raypai.alignment.config import ROLLOUT_ENGINES
 from raypai.alignment.roles._device import inference_dtype, release, role_device
 from raypai.chat import ChatFormat
@@ -51,6 +51,7 @@ class Rollout:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device, dtype).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
         self._shared = None  # the trainer's shared-memory weights, mapped at the first same-node sync
         self._live = False  # parameters bound to the trainer's own (live shared parameters)
 
@@ -109,6 +110,18 @@ class Rollout:
             self.version = self._shared.current()
         stops = list(dict.fromkeys([*self.fmt.stop_ids, *self._stop_ids(stop)]))
         prompt_ids = [ids for p in prompts for ids in [self.fmt.prompt_ids(p)] * n]  # the template once per prompt
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            # the whole call (prefill, decoding, padding, log-probs) on the threads its decoding step
+            # is worth: below the grain a second thread costs more than it saves (1 × 8 on a
+            # 0.8M-parameter Llama, colocated with its trainer: 9.7 ms a call on 1 thread, 11.3 on 2)
+            torch.set_num_threads(cpu_threads(2 * len(prompt_ids) * self.n_params, STEP_FLOPS_PER_THREAD, threads))
+        try:
+            return self._generate(prompt_ids, stops, max_new_tokens, temperature, top_p, logprobs)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p, logprobs) -> dict:
         if self.engine == "raypai":
             d = decode(self.model, prompt_ids, pad_id=self.tok.pad_token_id, stop_ids=stops,
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs,
