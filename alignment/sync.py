@@ -43,6 +43,7 @@ ALIGN = 64
 _NODES: dict[str, str] = {}  # actor id -> node id (an actor never moves)
 _FIRST_ROUND: dict[str, tuple] = {}  # trainer id -> (its first shared round's loads, the replicas, `written`)
 _BOUND: dict[str, tuple[frozenset, int]] = {}  # live trainer id -> (replica ids bound to its parameters, bytes)
+_LAST_LOADS: dict[str, list] = {}  # trainer id -> its last shared round's loads (its next write waits for them)
 
 
 def layout(state: dict) -> tuple[list[tuple[str, int, int]], int, int]:
@@ -193,6 +194,8 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
     """Queue the copy without waiting: each replica loads the weights after the work already
     submitted to it and before anything submitted later. Returns, per replica, the ObjectRef of the
     bytes it loaded, or those bytes where nothing had to be sent (`wait_loads` waits for them all)."""
+    import ray
+
     _remove_file_once_mapped(trainer)
     here = [r for r in rollouts if shared is not False and _node(r) == _node(trainer)]
     away = [r for r in rollouts if r not in here]
@@ -201,8 +204,15 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
     if here and {r._actor_id.hex() for r in here} <= bound:
         loads += [size] * len(here)  # the replicas read the trainer's own pages: nothing to send
     elif here:
-        written = trainer.write_shared.remote()  # -> (path, version, live); the replicas' loads wait for it
-        loads += [r.load_shared.remote(written) for r in here]
+        # the trainer writes into its one buffer only once the replicas have loaded the last round
+        # from it: a caller that queues the next sync before the last one's loads ran (async GRPO,
+        # whose loads wait behind the generation in flight) would otherwise have the replicas find a
+        # newer version than the one they were sent, and refuse it
+        after = [x for x in _LAST_LOADS.get(trainer._actor_id.hex(), ()) if isinstance(x, ray.ObjectRef)]
+        written = trainer.write_shared.remote(*after)  # -> (path, version, live); the replicas' loads wait for it
+        mine = [r.load_shared.remote(written) for r in here]
+        _LAST_LOADS[trainer._actor_id.hex()] = mine
+        loads += mine
         _FIRST_ROUND.setdefault(trainer._actor_id.hex(), (list(loads), [r._actor_id.hex() for r in here], written))
     if away:
         state = trainer.state_dict.remote()  # one copy in the object store, shared by every remote replica

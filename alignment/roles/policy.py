@@ -221,11 +221,12 @@ class PolicyTrainer(Sleeps):
 
         return ray.get_runtime_context().get_node_id()
 
-    def write_shared(self) -> tuple[str, int, bool]:
+    def write_shared(self, *after) -> tuple[str, int, bool]:
         """Make the current weights readable by same-node replicas; returns (the buffer's path, the
         weights' version, live). Live, the parameters already are the buffer: only the version is
         stamped (it covers in-place changes made outside an update, e.g. a checkpoint load).
-        Otherwise they are copied into this trainer's buffer."""
+        Otherwise they are copied into this trainer's buffer. `after`: the replicas' loads of the
+        last round, as ObjectRefs, which Ray resolves before this runs (their values are unused)."""
         from raypai.alignment.sync import SharedWeights
 
         if self._live:

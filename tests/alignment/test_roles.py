@@ -2,6 +2,7 @@
 frozen reference, rule and callable rewards, a critic, and a placement that cannot fit."""
 
 import os
+import time
 
 import pytest
 import ray
@@ -16,7 +17,7 @@ from raypai.alignment._tensors import encode_sft
 from raypai.alignment.data import sft_examples
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import start_sync, sync_weights
+from raypai.alignment.sync import start_sync, sync_weights, wait_loads
 from raypai.alignment.tasks import arithmetic as ar
 from raypai.errors import ConfigError
 
@@ -83,6 +84,33 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         for _ in range(5):
             last = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
         assert last < first  # the value head regresses toward the returns
+    finally:
+        place.shutdown()
+
+
+def test_a_sync_queued_behind_a_busy_replica_is_not_overtaken_by_the_next_one(ray_align, tiny_model):
+    """Async GRPO queues step t+1's update and weight sync before the replicas have loaded step t's
+    (a load waits behind the generation in flight on its replica). The trainer's next write into the
+    shared buffer must wait for those loads: written first, the replica would find a newer version
+    than the one it was sent and refuse it (this failed a CI run on a loaded machine)."""
+    place = Placement("sync-order", {"policy": RoleSpec(1), "rollout": RoleSpec(0.5)})
+    try:
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        [rollout] = place.place("rollout", Rollout, tiny_model)
+        batch = encode_sft(ChatFormat(AutoTokenizer.from_pretrained(tiny_model)),
+                           sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
+        sync_weights(policy, [rollout])  # the first round (it maps the buffer)
+        ray.get(policy.sft_step.remote(batch))
+        busy = rollout.__ray_call__.remote(lambda self: time.sleep(2))  # the generation in flight
+        first = start_sync(policy, [rollout])  # version 1, loaded once the replica is free
+        ray.get(policy.sft_step.remote(batch))  # the next update, done while the replica is still busy
+        second = start_sync(policy, [rollout])  # version 2
+        assert ray.wait([busy], timeout=0)[1], "the replica was to be busy until now"
+        ray.get(busy)
+        assert wait_loads(first) == wait_loads(second)  # each load took the version it was sent
+        trained = ray.get(policy.logprobs.remote(batch))
+        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
+        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2
     finally:
         place.shutdown()
 
