@@ -27,14 +27,14 @@ from functools import partial
 import torch
 
 from raypai.alignment._lean import GraphedStep, LeanDecoder, lean_decoder
-from raypai.alignment._tensors import cpu_threads
 from raypai.errors import ConfigError
 
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
 # CPU decoding steps use one more thread per this many FLOPs of a step (2 × rows × parameters):
 # below it a step's operations are too small to split, and every parallel region's fork/join costs
 # more than the work it shares (measured on the benchmark model: 64 rows, ≈ 80 MFLOP a step, decode
-# 1 thread ≈ 92 ms vs 2 threads ≈ 112 ms for 16 tokens). The prefill keeps all of the actor's threads.
+# 1 thread ≈ 92 ms vs 2 threads ≈ 112 ms for 16 tokens). The rollout (`Rollout.generate`) runs its
+# whole call on the threads this gives its batch, the prefill included; `decode` uses the caller's.
 STEP_FLOPS_PER_THREAD = 1e8
 CHECK_EVERY = 8  # the static loop asks the device whether every row has ended once per this many tokens
 # a compiled step is specialised to its batch's shape (rows × cache width): prompts are left-padded
@@ -148,10 +148,6 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
     dec = (lean_decoder(model) if lean else None) or _ModelDecoder(model)
     compiled = compiled and device.type == "cpu" and isinstance(dec, LeanDecoder)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        step_flops = 2 * B * sum(p.numel() for p in model.parameters())
-        torch.set_num_threads(cpu_threads(step_flops, STEP_FLOPS_PER_THREAD, threads))
     ids, mask = left_pad([list(p) for p in unique], pad_id, device, COMPILED_WIDTH_MULTIPLE if compiled else 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0 and is masked
     logits = dec.prefill(ids, mask, pos, max_new_tokens)
@@ -164,20 +160,17 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
     if static is None:
         static = device.type == "cuda" or compiled
     static = static and getattr(dec, "static_ok", False)
-    try:
-        if static:
-            dec.start_static(torch.zeros(B, dtype=torch.long, device=device), nxt_pos)
-            if device.type == "cuda":
-                run = GraphedStep(dec)
-            else:
-                run = partial(compiled_static_step(), dec) if compiled else dec.static_step
-            sampled = _static_loop(run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p,
-                                   generator, out_lp, device)
-            return _decoded(sampled, out_lp, stop_ids)
-        sampled, stopped = _sample_loop(dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p,
-                                        generator, out_lp, device)
-    finally:
-        torch.set_num_threads(threads)
+    if static:
+        dec.start_static(torch.zeros(B, dtype=torch.long, device=device), nxt_pos)
+        if device.type == "cuda":
+            run = GraphedStep(dec)
+        else:
+            run = partial(compiled_static_step(), dec) if compiled else dec.static_step
+        sampled = _static_loop(run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p,
+                               generator, out_lp, device)
+        return _decoded(sampled, out_lp, stop_ids)
+    sampled, stopped = _sample_loop(dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p,
+                                    generator, out_lp, device)
     return _decoded(sampled, out_lp, stop_ids, stopped)
 
 
