@@ -14,10 +14,11 @@ PyTorch and transformers but no Ray, DeepSpeed or MLflow (the session's lent GPU
    HF `generate`, raypai's decoding loop (`raypai.alignment._decode.decode`) eager and as a replayed CUDA
    graph agree, and the graph's sampled log-probs equal a teacher-forced forward; in bf16, tokens/s of
    the three sampling 64 distinct prompts and 64 prompts × 8 samples, 128 new tokens each; one GRPO
-   policy update (bf16 autocast, fp32 AdamW) through the model's own forward and raypai's lean one, in
-   seconds and tokens/s; then sleep/wake of that trainer's weights and optimizer state
+   policy update (bf16 autocast, fp32 AdamW) through the model's own forward and raypai's lean one,
+   taking turns for several rounds, in seconds and tokens/s; then sleep/wake of that trainer's weights and optimizer state
    (`raypai.alignment.offload`): bitwise equal after wake, seconds and GB/s.
    `python benchmarks/gpu_check.py rollout` (engines) and `... update` (update and offload) run these alone.
+   `... attention`: SDPA at the lean forward's grouped-attention shape, forward + backward, per backend.
 
 5. roles (issue #14): the colocated GPU roles of a synchronous GRPO run with `gpus=1`, in one process
    (policy trainer, bf16 rollout, bf16 reference on one GPU): bf16 weight sync, trainer sleep/wake
@@ -29,6 +30,7 @@ The pretraining loop (Ray Train) and the role actors as Ray actors cannot run th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -325,7 +327,88 @@ def check_rollout(new_tokens: int = 128) -> None:
 
 
 
-def check_update(new_tokens: int = 128) -> None:
+def _update_once(model, x, m, resp, adv, lean: bool, grpo_loss) -> None:
+    """One micro-batch's forward and backward (gradients cleared after)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp = token_logprobs(model, x[:32], m[:32], where=resp[:32] if lean else None, lean=lean)
+        loss, _ = grpo_loss(lp, lp.detach(), None, adv[:32], resp[:32], aggregation="dapo")
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _top_kernels(fn, n: int = 8) -> list:
+    """The n CUDA kernels with the most device time in one call of fn: [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        us = getattr(ev, "self_cuda_time_total", 0) if us is None else us
+        if us:
+            rows.append([ev.key[:90], round(us / 1e3, 2), ev.count])
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def check_attention() -> None:
+    """SDPA at the shape of the lean forward's grouped attention in `check_update` (64 continuations
+    of 127 inputs over a prompt of up to 47 keys and their own, Qwen2-0.5B's 14 query / 2 key heads,
+    bf16), forward + backward, per backend: grouped heads under the mask (what `_lean` does), the
+    key/value heads repeated to the query heads under the mask (what transformers' SDPA path does
+    under a mask), and causal attention over the whole 174-token rows with no mask, for scale. Each
+    backend is forced in turn; one that refuses the inputs says why."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    B, H, KV, D, Li, Lp = 64, 14, 2, 64, 127, 47
+    g = torch.Generator("cuda").manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    q, qf, k, v = t(B, H, Li, D), t(B, H, Lp + Li, D), t(B, KV, Lp + Li, D), t(B, KV, Lp + Li, D)
+    plen = torch.randint(16, Lp + 1, (B,), device="cuda", generator=g)
+    pmask = (torch.arange(Lp, device="cuda")[None] < plen[:, None])[:, None, None, :].expand(B, 1, Li, Lp)
+    causal = torch.ones((Li, Li), dtype=torch.bool, device="cuda").tril().expand(B, 1, Li, Li)
+    mask = torch.cat([pmask, causal], dim=-1)
+    forms = {
+        "grouped_heads_under_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        "repeated_heads_under_mask": lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), attn_mask=mask),
+        "grouped_heads_causal_whole_rows": lambda: F.scaled_dot_product_attention(qf, k, v, is_causal=True,
+                                                                                  enable_gqa=True),
+    }
+    with torch.no_grad():
+        same = float((forms["grouped_heads_under_mask"]().float() - forms["repeated_heads_under_mask"]().float()).abs().max())
+    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    table = {}
+    for form, fn in forms.items():
+        table[form] = {}
+        for label, backend in backends.items():
+            def once():
+                fn().float().sum().backward()
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    once()
+                    times = []
+                    for _ in range(10):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        once()
+                        torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                table[form][label] = round(sorted(times)[5] * 1e3, 3)
+            except RuntimeError as exc:
+                table[form][label] = f"refused: {str(exc).splitlines()[0][:120]}"
+    emit(check="sdpa_grouped_attention_bf16_fwd_bwd_ms", ok=same < 0.05, max_abs_diff_repeated_vs_grouped=same,
+         ms_by_backend=table)
+
+
+def check_update(new_tokens: int = 128, rounds: int = 4) -> None:
     """One GRPO policy update on 8 prompts × 8 samples of the ~0.5B model: bf16 autocast over fp32
     master weights, AdamW; the model's own forward (full-vocabulary logits) vs raypai's (response
     positions only, each prompt once); then sleep/wake of that trainer (`check_offload`)."""
@@ -349,25 +432,42 @@ def check_update(new_tokens: int = 128) -> None:
         resp[i, len(p) - 1:len(sq) - 1] = 1
     x, m, resp = x.cuda(), m.cuda(), resp.cuda()
     adv = torch.randn(64).cuda()
-    for lean in (False, True):
-        times = []
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(4):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for half in (slice(0, 32), slice(32, 64)):  # two micro-batches of 4 prompts × 8
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    lp = token_logprobs(model, x[half], m[half], where=resp[half] if lean else None, lean=lean)
-                    loss, _ = grpo_loss(lp, lp.detach(), None, adv[half], resp[half], aggregation="dapo")
-                (loss / 2).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        step = sorted(times[1:])[len(times[1:]) // 2]
-        emit(check=f"grpo_update_qwen2_0.5b_bf16_autocast_{'raypai_lean' if lean else 'model_forward'}",
-             ok=bool(torch.isfinite(loss).item()), rows=64, tokens=int(m.sum()), median_step_s=round(step, 4),
-             tokens_per_s=round(int(m.sum()) / step), peak_memory_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+    # in fp32 the lean forward (each prompt once) gives the model's own log-probs on CUDA too
+    rows = slice(0, 16)
+    with torch.no_grad():
+        ref = token_logprobs(model, x[rows], m[rows], lean=False) * resp[rows]
+        diff = float((token_logprobs(model, x[rows], m[rows], where=resp[rows]) - ref).abs().max())
+    emit(check="lean_grouped_logprobs_fp32_cuda_equal_model_forward", ok=diff < 1e-3, rows=16, max_abs_diff=diff)
+
+    # the two forwards take turns, `rounds` times, 4 steps each (the first of each turn not counted):
+    # one machine's spread between runs is larger than the difference being measured
+    times = {"model_forward": [], "raypai_lean": []}
+    peak = {}
+    for _ in range(rounds):
+        for name, lean in (("model_forward", False), ("raypai_lean", True)):
+            torch.cuda.reset_peak_memory_stats()
+            for k in range(4):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for half in (slice(0, 32), slice(32, 64)):  # two micro-batches of 4 prompts × 8
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        lp = token_logprobs(model, x[half], m[half], where=resp[half] if lean else None, lean=lean)
+                        loss, _ = grpo_loss(lp, lp.detach(), None, adv[half], resp[half], aggregation="dapo")
+                    (loss / 2).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                if k:
+                    times[name].append(time.perf_counter() - t0)
+            peak[name] = torch.cuda.max_memory_allocated() / 2**30
+    for name, lean in (("model_forward", False), ("raypai_lean", True)):
+        ts = sorted(times[name])
+        step = ts[len(ts) // 2]
+        emit(check=f"grpo_update_qwen2_0.5b_bf16_autocast_{name}", ok=bool(torch.isfinite(loss).item()), rows=64,
+             tokens=int(m.sum()), rounds=rounds, median_step_s=round(step, 4), min_step_s=round(ts[0], 4),
+             max_step_s=round(ts[-1], 4), tokens_per_s=round(int(m.sum()) / step), peak_memory_gb=round(peak[name], 2),
+             top_kernels=_top_kernels(lambda: _update_once(model, x, m, resp, adv, lean, grpo_loss)))
     check_offload(model, opt)
 
 
@@ -476,7 +576,7 @@ def main() -> int:
         return 1
     emit(check="device", ok=True, name=torch.cuda.get_device_name(0), torch=torch.__version__,
          transformers=__import__("transformers").__version__)
-    checks = (check_losses, check_training, check_serving, check_rollout, check_update, check_roles)
+    checks = (check_losses, check_training, check_serving, check_rollout, check_attention, check_update, check_roles)
     if len(sys.argv) > 1:
         checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")
     for fn in checks:

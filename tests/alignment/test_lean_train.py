@@ -83,9 +83,15 @@ def _grouped_batch():
     return pad(seqs, masks, 0)
 
 
+# on CUDA the grouped attention under a mask runs on other kernels (cuDNN on an H200)
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py checks the same on one)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", ["packed", "split"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(family, layout, monkeypatch):
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(family, layout, device, monkeypatch):
     """Both layouts: each prompt and its continuations packed into one sequence, and (past
     PACKED_MAX_LEN) the prompts and the continuations as one list of tokens, split for attention."""
     import raypai.alignment._lean as lean
@@ -95,9 +101,9 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
     used = []
     for name in ("_packed", "_split"):
         monkeypatch.setattr(lean, name, lambda *a, _f=getattr(lean, name), _n=name: used.append(_n) or _f(*a))
-    model = _model(family).train()
+    model = _model(family).to(device).train()
     b = _grouped_batch()
-    ids, att, resp = b["input_ids"], b["attention_mask"], b["response_mask"]
+    ids, att, resp = (b[k].to(device) for k in ("input_ids", "attention_mask", "response_mask"))
     plen, group, firsts = shared_prefixes(ids, att, resp)
     assert plen.tolist() == [7, 7, 7, 4, 4, 5] and group.tolist() == [0, 0, 0, 1, 1, 2] and len(firsts) == 3
     mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)
