@@ -32,6 +32,31 @@ class Pending:
     n: int
     rows: list | None = None  # (replica, row) of each sample in that order; None = the replicas' concatenation
 
+    def prompts(self) -> list:
+        """The prompt of every sample, in the samples' order."""
+        return [p.prompt for p in self.order for _ in range(self.n)]
+
+    def extras(self) -> dict:
+        """The problems' extra dataset columns, one value per sample (the reward functions' keywords)."""
+        return {k: [p.extras[k] for p in self.order for _ in range(self.n)] for k in (self.order[0].extras
+                                                                                        if self.order else {})}
+
+
+def _sample_rows(outs: list[dict], rows: list | None) -> list:
+    return rows or [(i, j) for i, o in enumerate(outs) for j in range(len(o["seqs"]))]
+
+
+def gather_batch(outs: list[dict], rows: list | None, pad_id: int) -> dict:
+    """The rollout replicas' outputs (`Rollout.generate`) as one right-padded training batch, its rows
+    in the samples' order (`Pending.rows`)."""
+    rows = _sample_rows(outs, rows)
+    return pad([outs[i]["seqs"][j] for i, j in rows], [outs[i]["masks"][j] for i, j in rows], pad_id)
+
+
+def gather_completions(outs: list[dict], rows: list | None) -> list[str]:
+    """The replicas' completion texts in the samples' order."""
+    return [outs[i]["completions"][j] for i, j in _sample_rows(outs, rows)]
+
 
 def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
            logprobs: bool = False) -> Pending:
@@ -53,18 +78,17 @@ def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, tempe
 
 def collect(pending: Pending, *, pad_id: int) -> Samples:
     """Wait for a launched generation and pad it into one training batch."""
-    outs, order, n = ray.get(pending.refs), pending.order, pending.n
-    rows = pending.rows or [(i, j) for i, o in enumerate(outs) for j in range(len(o["seqs"]))]
-    batch = pad([outs[i]["seqs"][j] for i, j in rows], [outs[i]["masks"][j] for i, j in rows], pad_id)
+    outs = ray.get(pending.refs)
+    rows = _sample_rows(outs, pending.rows)
+    batch = gather_batch(outs, rows, pad_id)
     behaviour = None
     if outs and "logprobs" in outs[0]:  # each replica's (B_i, T_i−1), right-aligned like the batch: pad to (B, T−1)
         behaviour = torch.zeros(batch["response_mask"].shape)
         for row, (i, j) in enumerate(rows):
             lp = outs[i]["logprobs"][j]
             behaviour[row, :lp.shape[0]] = lp
-    extras = {k: [p.extras[k] for p in order for _ in range(n)] for k in (order[0].extras if order else {})}
-    return Samples(batch, [p.prompt for p in order for _ in range(n)], [outs[i]["completions"][j] for i, j in rows],
-                   extras, behaviour, min((o.get("weights_version", 0) for o in outs), default=0))
+    return Samples(batch, pending.prompts(), gather_completions(outs, rows), pending.extras(), behaviour,
+                   min((o.get("weights_version", 0) for o in outs), default=0))
 
 
 def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,
@@ -77,8 +101,20 @@ def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_token
 def score(reward, prompts: list, completions: list[str], rows: dict) -> dict:
     """The Reward actor's scores; a reward function's own error (wrong length, NaN) is raised as
     itself, naming the function and the sample, not wrapped in Ray's task error."""
+    return scores_of(reward.score.remote(prompts, completions, rows))
+
+
+def score_launched(reward, pending: Pending):
+    """The Reward actor's scores of a launched generation, as an ObjectRef (`scores_of` waits for it):
+    Ray hands the replicas' outputs to the reward actor as soon as they are in, and the scores on to
+    whatever task takes this ref (the update), without a round trip through this process."""
+    return reward.score_outputs.remote(pending.prompts(), pending.extras(), pending.rows, *pending.refs)
+
+
+def scores_of(ref) -> dict:
+    """Wait for the Reward actor's scores; a reward function's own error is raised as itself (`score`)."""
     try:
-        return ray.get(reward.score.remote(prompts, completions, rows))
+        return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, RaypaiError):
             raise e.cause from None

@@ -24,12 +24,11 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length, score,
-                                    throughput, to_tensor)
+from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length,
+                                    score_launched, scores_of, throughput, to_tensor)
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
-from raypai.alignment.losses import grpo_advantages
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.rewards import resolve
@@ -140,37 +139,52 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
 
         for step in range(start + 1, cfg.steps + 1):
             t, offload = Sections(), {}
+            s = None
             with t("time_rollout"):  # async: only the wait for the generation that ran during the last step
                 if cfg.async_rollout:
-                    s = collect(pending, pad_id=pad_id)
+                    now = pending
+                    s = collect(now, pad_id=pad_id)
                     pending = (launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen)
                                if step < cfg.steps else None)
-                else:  # on a GPU the trainer sleeps while the replicas sample
+                else:  # on a GPU the trainer sleeps while the replicas sample, and wakes when they are done
                     with asleep([policy], on_gpu=bool(g)) as offload:
-                        s = collect(launch(rollouts, pick(), cfg.group_size, **gen), pad_id=pad_id)
+                        now = launch(rollouts, pick(), cfg.group_size, **gen)
+                        if g:
+                            s = collect(now, pad_id=pad_id)
+            # the reward and then the update take the replicas' outputs straight from Ray, each as soon
+            # as what it needs is in: no round trip through this process between the phases
+            scored = score_launched(reward, now)
+            if s is None and (cfg.beta or cfg.inner_iterations > 1):  # the reference/rollout score the batch
+                with t("time_rollout"):
+                    s = collect(now, pad_id=pad_id)
             # reference and reward work in parallel; time_reference is the wait left after the rewards
             ref_lp = reference.logprobs.remote(s.batch) if cfg.beta else None
             # old log-probs: async, the sampling weights' (off-policy ratio); μ = 1 on-policy, the
             # trainer detaches its own (no extra pass); μ > 1, the rollout's before the updates
-            if s.behaviour_lp is not None:
+            if s is not None and s.behaviour_lp is not None:
                 old_lp = s.behaviour_lp
             else:
                 old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
-            with t("time_reward"):
-                scores = score(reward, s.prompts, s.completions, s.rows)
             with t("time_reference"):
                 ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
-            rewards = to_tensor(scores["total"])
-            adv = grpo_advantages(rewards, cfg.group_size)  # (B,) one per completion
+            sampled = {"rows": now.rows, "pad_id": pad_id, "group_size": cfg.group_size,
+                       "step": {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high, "beta": cfg.beta,
+                                "aggregation": cfg.aggregation, "max_len": cfg.max_new_tokens}}
             # queued on the trainer (it runs its calls in order), then the sync queued on every
             # replica: each loads the new weights after the work already submitted to it (async: the
             # generation in flight) and before the next generation
             with t("time_train"):
                 for _ in range(cfg.inner_iterations):
-                    update = policy.grpo_step.remote(s.batch, old_lp, ref_lp, adv, cfg.clip_eps, cfg.clip_eps_high,
-                                                     cfg.beta, cfg.aggregation, cfg.max_new_tokens)
+                    update = policy.grpo_step_on.remote(scored, sampled, *now.refs, old_lp=old_lp, ref_lp=ref_lp)
             with t("time_sync"):
-                this = (step, update, start_sync(policy, rollouts), t, s, rewards, offload)
+                loads = start_sync(policy, rollouts)
+            # while they work: the samples and their rewards, for the metrics
+            if s is None:
+                with t("time_rollout"):
+                    s = collect(now, pad_id=pad_id)
+            with t("time_reward"):
+                rewards = to_tensor(scores_of(scored)["total"])
+            this = (step, update, loads, t, s, rewards, offload)
             # async: the driver waits for the previous step's update only now, with this one queued
             # behind it, so the trainer never idles while the driver collects, scores and submits;
             # a step that evaluates or checkpoints (and the last) is waited for at once

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from raypai.alignment._tensors import cpu_threads, select_rows, sequence_logprob, to_device, token_logprobs
-from raypai.alignment.losses import ChosenRejected, clipped_surrogate, dpo_loss, grpo_loss, masked_mean
+from raypai.alignment.losses import (ChosenRejected, clipped_surrogate, dpo_loss, grpo_advantages, grpo_loss,
+                                     masked_mean)
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
 from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step
 
@@ -188,6 +189,18 @@ class PolicyTrainer(Sleeps):
         out = {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
                **{k: v.item() for k, v in stats.items()}}
         return {**out, "update_seconds": time.perf_counter() - t0}
+
+    def grpo_step_on(self, scores: dict, sampled: dict, *outs: dict, old_lp: torch.Tensor | None = None,
+                     ref_lp: torch.Tensor | None = None) -> dict:
+        """`grpo_step` on a generation as Ray hands it over, with no round trip through the driver:
+        `outs`, the rollout replicas' outputs (`Rollout.generate`), padded here into the batch in the
+        samples' order; the advantages from the Reward actor's `scores` of them. `sampled`:
+        {"rows": `_loop.Pending.rows`, "pad_id", "group_size", "step": grpo_step's other arguments}."""
+        from raypai.alignment._loop import gather_batch
+
+        batch = gather_batch(list(outs), sampled["rows"], sampled["pad_id"])
+        advantages = grpo_advantages(torch.tensor(scores["total"], dtype=torch.float32), sampled["group_size"])
+        return self.grpo_step(batch, old_lp, ref_lp, advantages, **sampled["step"])
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
         """Clipped surrogate with per-token advantages (B, T), token-mean over the completions."""

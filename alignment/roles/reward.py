@@ -45,6 +45,13 @@ class Reward:
         self.model_weight = model_weight
         self.model = RewardModelScorer(model_dir) if model_dir else None
 
+    def score_outputs(self, prompts: list, rows: dict, order: list | None, *outs: dict) -> dict:
+        """`score` of the rollout replicas' outputs (`Rollout.generate`, handed over by Ray as they
+        come in), their completions taken in the samples' order (`_loop.Pending.rows`)."""
+        from raypai.alignment._loop import gather_completions
+
+        return self.score(prompts, gather_completions(list(outs), order), rows)
+
     def score(self, prompts: list, completions: list[str], rows: dict | None = None) -> dict:
         """{'total': [...], <function name>: [...]} — the weighted sum and each part."""
         rows = rows or {}

@@ -109,6 +109,8 @@ def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeyp
                  rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"])
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     assert order.waited_first() == list(range(1, 30))  # synchronous: every update is waited for in turn
+    # and queued behind its samples and their scores with no round trip through the driver
+    assert order.submitted_before_its_samples_were_waited_for() == [True] * 30
     logged = logger.rows[0][1]
     for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "policy_loss",
                 "sync_seconds", "sync_bytes", "samples_per_s", "time_rollout", "time_train"):
@@ -116,7 +118,7 @@ def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeyp
 
 
 class UpdateOrder:
-    """Watches the driver: each policy update it submits (`PolicyTrainer.grpo_step`) and the first
+    """Watches the driver: each policy update it submits (`PolicyTrainer.grpo_step_on`) and the first
     `ray.get` that waits for it. `waited_first()`: the steps whose update the driver waited for
     before it submitted the next step's (a spy on the real calls; nothing is replaced)."""
 
@@ -126,8 +128,10 @@ class UpdateOrder:
 
         def spy_remote(method, *a, **k):
             ref = remote(method, *a, **k)
-            if method._method_name == "grpo_step":
+            if method._method_name == "grpo_step_on":
                 self.events.append(("submit", ref))
+            elif method._method_name == "generate":
+                self.events.append(("generate", ref))
             return ref
 
         def spy_get(refs, *a, **k):
@@ -142,6 +146,19 @@ class UpdateOrder:
         refs = [self.events[i][1] for i in submitted]
         waits = [next(i for i, (kind, r) in enumerate(self.events) if kind == "get" and r is ref) for ref in refs]
         return [k + 1 for k in range(len(refs) - 1) if waits[k] < submitted[k + 1]]
+
+    def submitted_before_its_samples_were_waited_for(self) -> list[bool]:
+        """Per update: whether the driver submitted it before it first waited for the generation
+        it trains on (the last one submitted before it), i.e. Ray hands the samples to the trainer."""
+        out = []
+        for i, (kind, ref) in enumerate(self.events):
+            if kind != "submit":
+                continue
+            gen = next(r for k, r in reversed(self.events[:i]) if k == "generate")
+            waited = [j for j, (k, r) in enumerate(self.events) if k == "get" and
+                      (r is gen or (isinstance(r, list) and any(x is gen for x in r)))]
+            out.append(bool(waited) and waited[0] > i)
+        return out
 
 
 def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(sloppy_sft, tmp_path, monkeypatch):
