@@ -174,7 +174,6 @@ def main(args) -> None:
     token = MetadataStore(settings.database_url).create_token("bench", ["infer"])
     conf = {"hidden": args.hidden, "layers": args.layers, "max_tokens": args.max_tokens,
             "max_batch_size": 16, "batch_wait_ms": args.batch_wait_ms}
-    load = lambda: {"loadavg_1m": round(os.getloadavg()[0], 1)}  # noqa: E731 - the machine is shared: say how busy
     texts = prompts(args.requests)
     local = InProcess(model_dir)
     lines = []

@@ -85,7 +85,7 @@ class PolicyTrainer(Sleeps):
     def _threads_for(self, *batches: dict, passes: int = 6) -> None:
         """Threads for a step over `batches` (6 FLOPs per parameter and token: forward and
         backward; 2 for a forward alone), at most the actor's own (TRAIN_FLOPS_PER_THREAD)."""
-        if next(self.engine.module.parameters()).device.type != "cpu":
+        if self.device.type != "cpu":
             return
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         torch.set_num_threads(cpu_threads(passes * self.n_params * tokens, TRAIN_FLOPS_PER_THREAD, self.threads))
