@@ -137,6 +137,10 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                      logger=logger, history=history)
             done_at = time.perf_counter()  # evaluation, checkpoint and logging are not a step's time
 
+        # what the update needs besides the samples (`PolicyTrainer.grpo_step_on`), the same every step
+        batch_args = {"pad_id": pad_id, "group_size": cfg.group_size,
+                      "step": {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high, "beta": cfg.beta,
+                               "aggregation": cfg.aggregation, "max_len": cfg.max_new_tokens}}
         for step in range(start + 1, cfg.steps + 1):
             t, offload = Sections(), {}
             s = None
@@ -167,9 +171,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
             with t("time_reference"):
                 ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
-            sampled = {"rows": now.rows, "pad_id": pad_id, "group_size": cfg.group_size,
-                       "step": {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high, "beta": cfg.beta,
-                                "aggregation": cfg.aggregation, "max_len": cfg.max_new_tokens}}
+            sampled = {"rows": now.rows, **batch_args}
             # queued on the trainer (it runs its calls in order), then the sync queued on every
             # replica: each loads the new weights after the work already submitted to it (async: the
             # generation in flight) and before the next generation

@@ -196,10 +196,10 @@ class PolicyTrainer(Sleeps):
         `outs`, the rollout replicas' outputs (`Rollout.generate`), padded here into the batch in the
         samples' order; the advantages from the Reward actor's `scores` of them. `sampled`:
         {"rows": `_loop.Pending.rows`, "pad_id", "group_size", "step": grpo_step's other arguments}."""
-        from raypai.alignment._loop import gather_batch
+        from raypai.alignment._loop import gather_batch, to_tensor
 
         batch = gather_batch(list(outs), sampled["rows"], sampled["pad_id"])
-        advantages = grpo_advantages(torch.tensor(scores["total"], dtype=torch.float32), sampled["group_size"])
+        advantages = grpo_advantages(to_tensor(scores["total"]), sampled["group_size"])
         return self.grpo_step(batch, old_lp, ref_lp, advantages, **sampled["step"])
 
     def ppo_step(self, batch: dict, old_lp: torch.Tensor, advantages: torch.Tensor, clip_eps: float) -> dict:
