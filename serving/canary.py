@@ -7,7 +7,8 @@ serve, and the comparison decides promotion and rollback.
     decision, reason, stats = judge(policy, windows.summary("chat", 2), windows.summary("chat", 3))
 
 Per version, over the last `window_s` seconds: requests, errors (5xx answers and failed calls; a
-4xx is the client's fault and does not count) and the 95th-percentile latency. The canary is
+4xx is the client's fault and does not count) and the 95th-percentile latency (nearest rank: the
+ceil(0.95 n)-th smallest, so of 20 requests the 19th; one outlier in 20 is the maximum, not the p95). The canary is
 - `insufficient` while it has answered fewer than `min_requests` requests in the window;
 - `worse` when its error rate exceeds the stable version's by more than `max_error_rate_increase`,
   or (with at least `min_requests` on both sides) its p95 latency is over `max_latency_ratio` x the
@@ -76,7 +77,7 @@ class Windows:
         n = len(recent)
         errors = sum(1 for ok, _ in recent if not ok)
         latencies = sorted(s for _, s in recent)
-        p95 = latencies[min(n - 1, int(0.95 * n))] if n else None
+        p95 = latencies[(95 * n + 99) // 100 - 1] if n else None  # nearest rank: ceil(0.95 n), in integers
         return {"version": version, "requests": n, "errors": errors, "error_rate": errors / n if n else 0.0,
                 "p95_ms": round(p95 * 1e3, 2) if p95 is not None else None}
 

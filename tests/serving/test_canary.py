@@ -47,3 +47,20 @@ def test_policy_rejects_unknown_and_impossible_fields():
         CanaryPolicy.from_spec({"min_request": 5})
     with pytest.raises(ConfigError, match="max_latency_ratio >= 1"):
         CanaryPolicy.from_spec({"max_latency_ratio": 0.5})
+
+
+def test_p95_is_the_nearest_rank_so_one_slow_request_in_twenty_is_not_the_p95():
+    """Nearest-rank percentile: the ceil(0.95 n)-th smallest latency. Of 20 requests that is the 19th,
+    so a single slow one (a replica's first request, a scheduling hiccup) is the maximum, not the p95,
+    and does not make a canary `worse` at the default `min_requests` by itself; two slow ones do."""
+    policy = CanaryPolicy(min_requests=20, max_latency_ratio=1.5)
+    fast_ok = [(True, 0.1)] * 100
+    stable, canary = _windows(fast_ok, [(True, 0.1)] * 19 + [(True, 0.9)])
+    assert canary["p95_ms"] == 100.0
+    assert judge(policy, stable, canary)[0] == "healthy"
+    assert judge(policy, *_windows(fast_ok, [(True, 0.1)] * 18 + [(True, 0.9)] * 2))[0] == "worse"
+    # 100 requests: the 95th smallest; latencies 1..100 ms give 95 ms (the old index gave 96)
+    w = Windows()
+    for i in range(100):
+        w.observe("chat", 1, True, (i + 1) / 1000, now=10.0)
+    assert w.summary("chat", 1, 300, now=10.0)["p95_ms"] == 95.0
