@@ -18,6 +18,15 @@ def ray_align():
 
 
 @pytest.fixture(scope="module")
+def ray_plain():
+    """A local Ray without the dashboard, for modules that never query the state API: the dashboard's
+    processes take seconds of CPU to start and keep a little busy all module long."""
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random tiny Llama and a byte-level BPE tokenizer with the chat tokens, made here (no downloads)."""
     from raypai.alignment.tasks.tiny import build_tiny_model

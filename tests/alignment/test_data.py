@@ -114,7 +114,7 @@ def test_model_and_format_errors_come_before_any_actor(tmp_path, gpt2, qwen):
     assert fmt.stop_ids == (fmt.tok.eos_token_id,)
 
 
-def test_a_reward_that_breaks_is_named_at_the_first_step(ray_align, qwen, tmp_path):
+def test_a_reward_that_breaks_is_named_at_the_first_step(ray_plain, qwen, tmp_path):
     prompts = prompt_examples(ar.prompt_rows(ar.problems()[:8]))
 
     def nan_on_second(prompts, completions, answer, **_):

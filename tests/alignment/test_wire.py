@@ -54,7 +54,7 @@ class _Echo:
         return batch
 
 
-def test_tensors_cross_ray_both_ways_with_the_wire_installed(ray_align):
+def test_tensors_cross_ray_both_ways_with_the_wire_installed(ray_plain):
     install()
     echo = _Echo.remote()
     ray.get(echo.install.remote())
