@@ -8,7 +8,8 @@ serve, and the comparison decides promotion and rollback.
 
 Per version, over the last `window_s` seconds: requests, errors (5xx answers and failed calls; a
 4xx is the client's fault and does not count) and the 95th-percentile latency (nearest rank: the
-ceil(0.95 n)-th smallest, so of 20 requests the 19th; one outlier in 20 is the maximum, not the p95). The canary is
+ceil(0.95 n)-th smallest, so of 20 requests the 19th: one outlier in 20 is the maximum, not the
+p95). The canary is
 - `insufficient` while it has answered fewer than `min_requests` requests in the window;
 - `worse` when its error rate exceeds the stable version's by more than `max_error_rate_increase`,
   or (with at least `min_requests` on both sides) its p95 latency is over `max_latency_ratio` x the

@@ -45,17 +45,6 @@ def exact_answer(prompts, completions, answer, **_):
 
 
 @pytest.fixture(scope="module")
-def ray_align():
-    """This module's local Ray, without the dashboard that tests/alignment/conftest.py starts for the
-    state API (`list_actors`): nothing here queries it, and its processes cost CPU all module long."""
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def user_files(tmp_path_factory):
     """The user's files: chats, prompt/completion rows, preference pairs, prompts with answers, and a
     reward module on sys.path (shipped to the Ray actors by value)."""
@@ -76,7 +65,7 @@ def user_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, ray_align, user_files, tmp_path_factory):
+def family(request, ray_plain, user_files, tmp_path_factory):
     """A tiny random model of the family, then SFT on the user's file in the family's natural format."""
     fam = request.param
     d = tmp_path_factory.mktemp(fam)
@@ -194,7 +183,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serving_stack(ray_align, tmp_path_factory):
+def serving_stack(ray_plain, tmp_path_factory):
     """One deploy API (uvicorn) + Ray Serve for the module; each family adds its deployment."""
     import uvicorn
     from ray import serve
