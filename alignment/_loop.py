@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from raypai.alignment._tensors import pad
+from raypai.alignment._tensors import pad, select_rows
 from raypai.errors import RaypaiError
 
 
@@ -56,6 +56,39 @@ def gather_batch(outs: list[dict], rows: list | None, pad_id: int) -> dict:
 def gather_completions(outs: list[dict], rows: list | None) -> list[str]:
     """The replicas' completion texts in the samples' order."""
     return [outs[i]["completions"][j] for i, j in _sample_rows(outs, rows)]
+
+
+def handed_over(sampled: dict, outs: tuple) -> dict:
+    """The training batch of a generation as Ray hands it to a role: the rollout replicas' outputs
+    (`Rollout.generate`) padded in the samples' order. `sampled`: {"rows": `Pending.rows`, "pad_id"}."""
+    return gather_batch(list(outs), sampled["rows"], sampled["pad_id"])
+
+
+def best_vs_worst_index(scores: list[float], n: int) -> list[tuple[int, int]]:
+    """Online DPO pairs (Guo et al. 2024, "Direct language model alignment from online AI feedback"):
+    per group of n samples of one prompt, the best-scored sample is chosen and the worst rejected;
+    groups whose scores all tie carry no preference and are skipped. Returns (chosen, rejected) indices."""
+    pairs = []
+    for g in range(0, len(scores), n):
+        sc = scores[g:g + n]
+        best, worst = max(range(len(sc)), key=sc.__getitem__), min(range(len(sc)), key=sc.__getitem__)
+        if sc[best] > sc[worst]:
+            pairs.append((g + best, g + worst))
+    return pairs
+
+
+def ranked_pairs(scores: dict, sampled: dict, *outs: dict) -> tuple[dict, dict] | None:
+    """Online DPO's pairs of a generation as Ray hands it over: the rollout replicas' `outs`
+    (`Rollout.generate`) in the samples' order, and per group of `sampled["n"]` samples of one prompt
+    the best-scored as chosen and the worst as rejected (`best_vs_worst_index` on the Reward actor's
+    `scores`), as (chosen, rejected) right-padded batches of the sampled token ids themselves (no
+    re-tokenization); None when every group ties. `sampled`: {"rows": `Pending.rows`, "pad_id", "n"}.
+    The Reference and the trainer both call it on the same inputs, so they take the same pairs."""
+    idx = best_vs_worst_index(scores["total"], sampled["n"])
+    if not idx:
+        return None
+    batch = handed_over(sampled, outs)
+    return select_rows(batch, [i for i, _ in idx]), select_rows(batch, [j for _, j in idx])
 
 
 def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,

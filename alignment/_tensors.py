@@ -53,6 +53,19 @@ def select_rows(batch: dict, idx) -> dict:
             "response_mask": b["response_mask"][:, :L - 1]}
 
 
+def stack_right_padded(a: dict, b: dict) -> dict:
+    """Two right-padded batches as one: rows of `a` then rows of `b`, padded to the longer length
+    (padding: attention 0, response mask 0; the pad token id is irrelevant where attention is 0)."""
+    T = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
+
+    def widen(x: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+    return {"input_ids": torch.cat([widen(a["input_ids"], T), widen(b["input_ids"], T)]),
+            "attention_mask": torch.cat([widen(a["attention_mask"], T), widen(b["attention_mask"], T)]),
+            "response_mask": torch.cat([widen(a["response_mask"], T - 1), widen(b["response_mask"], T - 1)])}
+
+
 def cpu_threads(flops: float, flops_per_thread: float, most: int) -> int:
     """Threads for a CPU step of `flops`: one per `flops_per_thread` of work, at least 1, at most
     `most`. Below the grain a parallel region's fork/join costs more than the split saves."""

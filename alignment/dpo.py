@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import asleep, sample, score
-from raypai.alignment._tensors import encode_pairs, select_rows, sequence_logprob
+from raypai.alignment._loop import asleep, launch, score_launched, scores_of
+from raypai.alignment._tensors import encode_pairs, sequence_logprob
 from raypai.alignment.config import LIVE_ENGINES, DPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected, dpo_loss
@@ -27,7 +28,7 @@ from raypai.alignment.models import check_causal_lm, check_prompts, format_and_l
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import sync_weights
+from raypai.alignment.sync import start_sync, wait_loads
 from raypai.errors import ConfigError
 
 
@@ -116,22 +117,30 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
                 logger.log_metrics({f"dpo/{k}": v for k, v in m.items()}, step=step)
 
         if cfg.online:
+            # per step the driver submits the whole chain and waits only for its results: Ray hands the
+            # samples to the reward, the samples and scores to the reference (the pairs' log-probs) and
+            # all three to the trainer, each call starting as soon as its inputs are in
+            sampled = {"pad_id": pad_id, "n": cfg.num_samples}
+            dpo_args = {"beta": cfg.beta, "loss_type": cfg.loss_type, "label_smoothing": cfg.label_smoothing}
             for step in range(1, cfg.steps + 1):
                 with asleep([policy], on_gpu=bool(g)) as offload:  # on a GPU the trainer sleeps while sampling
-                    s = sample([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
-                               pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-                scores = score(reward, s.prompts, s.completions, s.rows)["total"]
-                idx_pairs = best_vs_worst_index(scores, cfg.num_samples)
-                if not idx_pairs:  # every group tied: no preference to learn from this step
+                    now = launch([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
+                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                    if g:
+                        ray.wait(now.refs, num_returns=len(now.refs))
+                scored = score_launched(reward, now)
+                on = {**sampled, "rows": now.rows}
+                ref = reference.pair_logprobs_on.remote(scored, on, *now.refs)
+                update = policy.online_dpo_step_on.remote(scored, ref, on, *now.refs, **dpo_args)
+                loads = start_sync(policy, [rollout])  # queued behind the update on the trainer
+                scores = scores_of(scored)["total"]  # a reward function's own error surfaces here, as itself
+                m = ray.get(update)
+                t0 = time.perf_counter()  # sync_seconds: the wait for the replica's load left after the update
+                sizes = wait_loads(loads)
+                sync = {"sync_seconds": time.perf_counter() - t0, "sync_bytes": sizes[0] if sizes else 0}
+                if not m["pairs"]:  # every group tied: no preference to learn from this step
                     continue
-                # the pair's sequences are the sampled token ids themselves (no re-tokenization)
-                c = select_rows(s.batch, [i for i, _ in idx_pairs])
-                r = select_rows(s.batch, [j for _, j in idx_pairs])
-                ref = ChosenRejected(_seq_lp(reference, c), _seq_lp(reference, r))
-                m = ray.get(policy.dpo_step.remote(c, r, ref.chosen, ref.rejected, cfg.beta, cfg.loss_type,
-                                                   cfg.label_smoothing))
-                m.update(pairs=len(idx_pairs), reward_mean=sum(scores) / len(scores), **offload,
-                         **sync_weights(policy, [rollout]))
+                m.update(reward_mean=sum(scores) / len(scores), **offload, **sync)
                 log(step, m)
         else:
             # the first step alone (its metrics come at once), then STEPS_PER_CALL steps a call with
@@ -163,16 +172,3 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     if logger is not None:
         logger.log_metrics(metrics)
     return metrics
-
-
-def best_vs_worst_index(scores: list[float], n: int) -> list[tuple[int, int]]:
-    """Online DPO pairs (Guo et al. 2024, "Direct language model alignment from online AI feedback"):
-    per group of n samples of one prompt, the best-scored sample is chosen and the worst rejected;
-    groups whose scores all tie carry no preference and are skipped. Returns (chosen, rejected) indices."""
-    pairs = []
-    for g in range(0, len(scores), n):
-        sc = scores[g:g + n]
-        best, worst = max(range(len(sc)), key=sc.__getitem__), min(range(len(sc)), key=sc.__getitem__)
-        if sc[best] > sc[worst]:
-            pairs.append((g + best, g + worst))
-    return pairs

@@ -8,6 +8,8 @@
 
 Per step: rollout → reference log-probs, critic values, rewards → per-token rewards (score at the
 last token − β·KL) → GAE → μ epochs of clipped policy and value updates → sync → eval → checkpoint.
+The driver submits a step's calls at once and Ray hands each role its inputs from the others (the
+trainers compute the advantages and returns themselves); it waits only for the metrics.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import Sections, asleep, end_step, mean_of, response_length, sample, throughput, to_tensor
+from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length, score_launched,
+                                    scores_of, throughput, to_tensor)
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
-from raypai.alignment.losses import gae, kl_penalized_rewards, masked_mean, masked_whiten
+from raypai.alignment.losses import masked_mean
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.rewards import resolve
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
-from raypai.alignment.sync import sync_weights
+from raypai.alignment.sync import start_sync, sync_weights, wait_loads
 from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
@@ -77,31 +80,45 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
             print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
+        targets = {"kl_coef": cfg.kl_coef, "gamma": cfg.gamma, "lam": cfg.lam}
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
-            with t("time_rollout"), asleep([policy, critic], on_gpu=bool(g)) as offload:
-                s = sample(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), 1, pad_id=pad_id,
-                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-            with t("time_score"):  # four roles work on the same batch in parallel
-                old_lp, ref_lp, values, scores = ray.get([
-                    rollouts[0].logprobs.remote(s.batch), reference.logprobs.remote(s.batch),
-                    critic.values.remote(s.batch), reward.score.remote(s.prompts, s.completions, s.rows)])
-            mask = s.batch["response_mask"]
-            score = to_tensor(scores["total"])
-            token_rewards = kl_penalized_rewards(score, old_lp, ref_lp, mask, cfg.kl_coef)  # (B, T)
-            adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
-            adv = masked_whiten(adv, mask)
+            with asleep([policy, critic], on_gpu=bool(g)) as offload:
+                now = launch(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), 1,
+                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+                if g:  # on a GPU the trainers sleep until the replicas are done
+                    with t("time_rollout"):
+                        ray.wait(now.refs, num_returns=len(now.refs))
+            # the whole step is submitted at once: Ray hands the samples to the reward, the rollout's
+            # and the reference's log-probs and the critic's values (which run in parallel), and all
+            # of them to both trainers, each call starting as soon as its inputs are in; every trainer
+            # computes the step's advantages and returns itself (`losses.ppo_targets`)
+            on = {"rows": now.rows, "pad_id": pad_id}
+            scored = score_launched(reward, now)
+            old_lp, ref_lp, values = (rollouts[0].logprobs_on.remote(on, *now.refs),
+                                      reference.logprobs_on.remote(on, *now.refs), critic.values_on.remote(on, *now.refs))
+            inputs = (scored, old_lp, ref_lp, values, on, *now.refs)
+            updates = [[policy.ppo_step_on.remote(*inputs, targets=targets, clip_eps=cfg.clip_eps),
+                        critic.train_step_on.remote(*inputs, targets=targets, clip=cfg.value_clip)]
+                       for _ in range(cfg.ppo_epochs)]  # each trainer runs its epochs in turn
+            loads = start_sync(policy, rollouts)  # each replica loads after the updates queued before it
+            # while they work: what the metrics need (the time_* sections: what this process waited)
+            with t("time_rollout"):
+                s = collect(now, pad_id=pad_id)
+            with t("time_score"):
+                score, (old, ref) = to_tensor(scores_of(scored)["total"]), ray.get([old_lp, ref_lp])
             with t("time_train"):
-                for _ in range(cfg.ppo_epochs):
-                    pm, vm = ray.get([policy.ppo_step.remote(s.batch, old_lp, adv, cfg.clip_eps),
-                                      critic.train_step.remote(s.batch, values, returns, cfg.value_clip)])
+                # every epoch waited for (an error in any is raised); the metrics are the last epoch's
+                *_, pm, vm = ray.get([ref for epoch in updates for ref in epoch])
             with t("time_sync"):
-                sync = sync_weights(policy, rollouts)
+                sizes = wait_loads(loads)
+            mask = s.batch["response_mask"]
+            seconds = t.total()
             metrics = {"reward_mean": score.mean().item(), "reward_std": score.std().item(),
-                       "kl": masked_mean(old_lp - ref_lp, mask).item(), **pm, **vm,
-                       "response_length": response_length(s.batch), **sync, **t.seconds, **offload,
-                       "samples": len(s.completions),
-                       "step_seconds": t.total(), "samples_per_s": len(s.completions) / t.total()}
+                       "kl": masked_mean(old - ref, mask).item(), **pm, **vm,
+                       "response_length": response_length(s.batch), "sync_seconds": t.seconds["time_sync"],
+                       "sync_bytes": sizes[0] if sizes else 0, **t.seconds, **offload, "samples": len(s.completions),
+                       "step_seconds": seconds, "samples_per_s": len(s.completions) / seconds}
             end_step("ppo", step, metrics, steps=cfg.steps, eval_every=cfg.eval_every,
                      evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
                      checkpoint_every=cfg.checkpoint_every,

@@ -57,7 +57,7 @@ def run_sft(model_dir: str, out_dir: str, train: list, held_out: list, cfg: SFTC
     place = Placement(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)})
     try:
         [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               device="cuda" if cfg.gpus else "cpu")
+                               device="cuda" if cfg.gpus else "cpu", dropout=True)  # the model's own, as in any fine-tuning
         before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
         for step in range(1, cfg.steps + 1):

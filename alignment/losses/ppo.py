@@ -69,3 +69,12 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
     return masked_mean(loss, mask)
+
+
+def ppo_targets(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor, *, kl_coef: float, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PPO step's (whitened advantages, returns), both (B, T): the KL-penalised token rewards
+    (`kl_penalized_rewards`) through GAE (`gae`), the advantages whitened over the completion tokens
+    (`masked_whiten`). Deterministic, so the policy and the critic each compute it from the same inputs."""
+    adv, returns = gae(kl_penalized_rewards(score, logp, ref_logp, mask, kl_coef), values, mask, gamma, lam)
+    return masked_whiten(adv, mask), returns

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from raypai.alignment._tensors import to_device
-from raypai.alignment.losses import clipped_value_loss
+from raypai.alignment.losses import clipped_value_loss, ppo_targets
 from raypai.alignment.roles._device import autocast, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step, without_dropout
 
 
 class Critic(Sleeps):
@@ -22,6 +22,7 @@ class Critic(Sleeps):
         torch.manual_seed(seed)
         self.device = role_device(device, "critic")
         model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1).to(self.device)
+        without_dropout(model)  # values in training mode are the rollout-time ones for the same weights
         model.config.pad_token_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
         self.engine = make_engine(model, lr=lr, zero_stage=zero_stage, use_gpu=self.device.type == "cuda")
 
@@ -43,6 +44,22 @@ class Critic(Sleeps):
         loss = clipped_value_loss(self._values(batch), old_values, returns, batch["response_mask"], clip)
         self.engine.backward(loss)
         return {"value_loss": loss.item(), "value_grad_norm": engine_step(self.engine)}
+
+    def values_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
+        """`values` of a generation as Ray hands it over (`_loop.handed_over`)."""
+        from raypai.alignment._loop import handed_over
+
+        return self.values(handed_over(sampled, outs))
+
+    def train_step_on(self, scores: dict, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor,
+                      sampled: dict, *outs: dict, targets: dict, clip: float) -> dict:
+        """`train_step` on a generation as Ray hands it over, its returns computed here from the same
+        inputs as the policy's advantages (`losses.ppo_targets`; `targets`: kl_coef, gamma, lam)."""
+        from raypai.alignment._loop import handed_over, to_tensor
+
+        batch = handed_over(sampled, outs)
+        _, returns = ppo_targets(to_tensor(scores["total"]), old_lp, ref_lp, values, batch["response_mask"], **targets)
+        return self.train_step(batch, values, returns, clip)
 
     def save_checkpoint(self, folder: str, tag: str) -> None:
         """Save under a new `tag`; the policy's `latest` (written after it) says which tag a resume loads."""

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from raypai.alignment._tensors import cpu_threads, select_rows, sequence_logprob, to_device, token_logprobs
+from raypai.alignment._tensors import (cpu_threads, select_rows, sequence_logprob, stack_right_padded, to_device,
+                                      token_logprobs)
 from raypai.alignment.losses import (ChosenRejected, clipped_surrogate, dpo_loss, grpo_advantages, grpo_loss,
-                                     masked_mean)
+                                     masked_mean, ppo_targets)
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step, without_dropout
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the
@@ -26,29 +27,17 @@ from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step a
 TRAIN_FLOPS_PER_THREAD = 2.5e9
 
 
-def _stack_right_padded(a: dict, b: dict) -> dict:
-    """Two right-padded batches as one: rows of `a` then rows of `b`, padded to the longer length
-    (padding: attention 0, response mask 0; the pad token id is irrelevant where attention is 0)."""
-    T = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
-
-    def widen(x: torch.Tensor, width: int) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-    return {"input_ids": torch.cat([widen(a["input_ids"], T), widen(b["input_ids"], T)]),
-            "attention_mask": torch.cat([widen(a["attention_mask"], T), widen(b["attention_mask"], T)]),
-            "response_mask": torch.cat([widen(a["response_mask"], T - 1), widen(b["response_mask"], T - 1)])}
-
-
 class PolicyTrainer(Sleeps):
     def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
-                 live_weights: bool = False, device: str = "cpu", sync_dtype: str | None = None):
+                 live_weights: bool = False, device: str = "cpu", sync_dtype: str | None = None, dropout: bool = False):
         """`live_weights`: keep the parameters in a shared-memory buffer that same-node rollout
         replicas bind to (raypai.alignment.sync, "live shared parameters"); only for loops in which
         no replica samples while this trainer updates (the synchronous ones), only at ZeRO
         stage 0 (higher stages keep their own flat copies of the parameters) and only on the CPU.
         `device`: "cpu" or "cuda" (fp32 weights, bf16 autocast; `roles._device`). `sync_dtype`: the
         rollout replicas' weight dtype (e.g. "bfloat16" for GPU replicas), in which the weights are
-        handed over in shared memory; None: this trainer's own (fp32)."""
+        handed over in shared memory; None: this trainer's own (fp32). `dropout`: keep the model's own
+        dropout in training (SFT); RL updates train without it (`roles._engine.without_dropout`)."""
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -59,6 +48,8 @@ class PolicyTrainer(Sleeps):
         self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None  # the replicas' dtype; None: this trainer's
         self.updates = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample with)
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
+        if not dropout:
+            without_dropout(model)
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
         self._live = live_weights and zero_stage == 0 and self.device.type == "cpu" and sync_dtype is None
         if self._live:
@@ -140,7 +131,7 @@ class PolicyTrainer(Sleeps):
         self._threads_for(chosen, rejected)
         # one forward over chosen and rejected rows together (right padding leaves each row's
         # log-probs as they are alone): half the forward/backward calls of two separate passes
-        both = _stack_right_padded(chosen, rejected)
+        both = stack_right_padded(chosen, rejected)
         seq = sequence_logprob(self._lp(both, both["response_mask"]), both["response_mask"])
         n = chosen["input_ids"].shape[0]
         pol = ChosenRejected(seq[:n], seq[n:])
@@ -149,6 +140,18 @@ class PolicyTrainer(Sleeps):
                        label_smoothing=label_smoothing, lengths=lengths)
         return {"loss": out.loss.item(), "accuracy": out.accuracy, "margin": out.margin,
                 "grad_norm": self._update(out.loss)}
+
+    def online_dpo_step_on(self, scores: dict, ref: tuple | None, sampled: dict, *outs: dict, beta: float,
+                           loss_type: str, label_smoothing: float) -> dict:
+        """`dpo_step` on online DPO's pairs of a generation as Ray hands it over (`_loop.ranked_pairs`
+        of the rollout's `outs` and the Reward actor's `scores`; `ref`, the Reference's log-probs of
+        the same pairs, `Reference.pair_logprobs_on`); no update when every group ties. Adds `pairs`."""
+        from raypai.alignment._loop import ranked_pairs
+
+        pairs = ranked_pairs(scores, sampled, *outs)
+        if pairs is None:
+            return {"pairs": 0}
+        return {**self.dpo_step(*pairs, *ref, beta, loss_type, label_smoothing), "pairs": len(ref[0])}
 
     def hold_pairs(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor) -> int:
         """Keep an offline DPO dataset here (host memory): the pairs' right-padded batches and their
@@ -196,9 +199,9 @@ class PolicyTrainer(Sleeps):
         `outs`, the rollout replicas' outputs (`Rollout.generate`), padded here into the batch in the
         samples' order; the advantages from the Reward actor's `scores` of them. `sampled`:
         {"rows": `_loop.Pending.rows`, "pad_id", "group_size", "step": grpo_step's other arguments}."""
-        from raypai.alignment._loop import gather_batch, to_tensor
+        from raypai.alignment._loop import handed_over, to_tensor
 
-        batch = gather_batch(list(outs), sampled["rows"], sampled["pad_id"])
+        batch = handed_over(sampled, outs)
         advantages = grpo_advantages(to_tensor(scores["total"]), sampled["group_size"])
         return self.grpo_step(batch, old_lp, ref_lp, advantages, **sampled["step"])
 
@@ -213,6 +216,17 @@ class PolicyTrainer(Sleeps):
         loss = masked_mean(per_token, m)
         return {"policy_loss": loss.item(), "clip_fraction": masked_mean(clipped.float(), m).item(),
                 "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}
+
+    def ppo_step_on(self, scores: dict, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor,
+                    sampled: dict, *outs: dict, targets: dict, clip_eps: float) -> dict:
+        """`ppo_step` on a generation as Ray hands it over (`_loop.handed_over`), its advantages
+        computed here (`losses.ppo_targets` of the Reward actor's `scores`, the rollout's and the
+        reference's log-probs and the critic's values; `targets`: kl_coef, gamma, lam)."""
+        from raypai.alignment._loop import handed_over, to_tensor
+
+        batch = handed_over(sampled, outs)
+        adv, _ = ppo_targets(to_tensor(scores["total"]), old_lp, ref_lp, values, batch["response_mask"], **targets)
+        return self.ppo_step(batch, old_lp, adv, clip_eps)
 
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""

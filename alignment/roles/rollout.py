@@ -197,3 +197,9 @@ class Rollout:
         """(B, T−1) log-probs of the response tokens under the loaded weights, 0 elsewhere (float32, on the host)."""
         b = to_device(batch, self.model.device)
         return token_logprobs(self.model, b["input_ids"], b["attention_mask"], where=b["response_mask"]).cpu()
+
+    def logprobs_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
+        """`logprobs` of a generation as Ray hands it over (`_loop.handed_over`)."""
+        from raypai.alignment._loop import handed_over
+
+        return self.logprobs(handed_over(sampled, outs))

@@ -118,17 +118,18 @@ def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeyp
 
 
 class UpdateOrder:
-    """Watches the driver: each policy update it submits (`PolicyTrainer.grpo_step_on`) and the first
-    `ray.get` that waits for it. `waited_first()`: the steps whose update the driver waited for
-    before it submitted the next step's (a spy on the real calls; nothing is replaced)."""
+    """Watches the driver: each policy update it submits (`update`, the trainer's method:
+    `PolicyTrainer.grpo_step_on`, `online_dpo_step_on`) and the first `ray.get` that waits for it.
+    `waited_first()`: the steps whose update the driver waited for before it submitted the next
+    step's (a spy on the real calls; nothing is replaced)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, update: str = "grpo_step_on"):
         self.events: list = []
         remote, get = ray.actor.ActorMethod._remote, ray.get
 
         def spy_remote(method, *a, **k):
             ref = remote(method, *a, **k)
-            if method._method_name == "grpo_step_on":
+            if method._method_name == update:
                 self.events.append(("submit", ref))
             elif method._method_name == "generate":
                 self.events.append(("generate", ref))
@@ -148,8 +149,9 @@ class UpdateOrder:
         return [k + 1 for k in range(len(refs) - 1) if waits[k] < submitted[k + 1]]
 
     def submitted_before_its_samples_were_waited_for(self) -> list[bool]:
-        """Per update: whether the driver submitted it before it first waited for the generation
-        it trains on (the last one submitted before it), i.e. Ray hands the samples to the trainer."""
+        """Per update: whether the driver submitted it before it waited for the generation it trains
+        on (the last one submitted before it), if it waits for it at all, i.e. Ray hands the samples
+        to the trainer."""
         out = []
         for i, (kind, ref) in enumerate(self.events):
             if kind != "submit":
@@ -157,7 +159,7 @@ class UpdateOrder:
             gen = next(r for k, r in reversed(self.events[:i]) if k == "generate")
             waited = [j for j, (k, r) in enumerate(self.events) if k == "get" and
                       (r is gen or (isinstance(r, list) and any(x is gen for x in r)))]
-            out.append(bool(waited) and waited[0] > i)
+            out.append(all(j > i for j in waited))
         return out
 
 
@@ -183,20 +185,25 @@ def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(slo
     assert all(m["update_seconds"] > 0 for m in steps)
 
 
-def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path):
+def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatch):
     """Pairs come only from the policy's samples ranked by the rule reward; the held-out pairs
-    (right answer vs a near miss) are never trained on, yet their implicit-reward ranking improves."""
-    logger = Sink()
+    (right answer vs a near miss) are never trained on, yet their implicit-reward ranking improves.
+    Each update is queued behind its samples, their scores and the reference's log-probs of the
+    pairs with no round trip through the driver."""
+    logger, order = Sink(), UpdateOrder(monkeypatch, "online_dpo_step_on")
     o = run_dpo(sft[0], str(tmp_path / "odpo"), [], pairs(HELD, 1, 1),
                 DPOConfig(steps=20, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
                 prompts=PROMPTS, held_out=HELD_PROMPTS, rewards=EXACT, run_name="t-odpo", logger=logger)
     assert o["preference_accuracy_after"] > o["preference_accuracy_before"] and o["margin_after"] > o["margin_before"]
     assert {"eval_reward_before", "eval_reward_after"} <= set(o)
     assert all(m["dpo/pairs"] > 0 and m["dpo/sync_bytes"] > 0 for s, m in logger.rows if s is not None)
+    assert order.submitted_before_its_samples_were_waited_for() == [True] * 20
 
 
-def test_ppo_trains_policy_and_critic(sft, tmp_path):
-    logger = Sink()
+def test_ppo_trains_policy_and_critic(sft, tmp_path, monkeypatch):
+    """Policy and critic learn, checkpoints rotate; every update (two epochs a step) is queued behind
+    its samples, scores, log-probs and values with no round trip through the driver."""
+    logger, order = Sink(), UpdateOrder(monkeypatch, "ppo_step_on")
     ckpt = tmp_path / "ppo-ckpt"
     p = run_ppo(sft[0], str(tmp_path / "ppo"), PROMPTS, HELD_PROMPTS,
                 PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3, checkpoint_every=2), rewards=EXACT,
@@ -209,6 +216,7 @@ def test_ppo_trains_policy_and_critic(sft, tmp_path):
     assert len(steps) == 6 and steps[-1]["value_loss"] < steps[0]["value_loss"]
     assert {"policy_loss", "clip_fraction", "kl", "time_score"} <= set(steps[0])
     assert json.loads((tmp_path / "ppo" / "raypai.json").read_text())["metrics"]["steps_run"] == 6 == p["steps_run"]
+    assert order.submitted_before_its_samples_were_waited_for() == [True] * 12
 
 
 def _running(pid: int) -> bool:

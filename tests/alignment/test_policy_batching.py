@@ -2,8 +2,7 @@
 
 import torch
 
-from raypai.alignment._tensors import pad, sequence_logprob, token_logprobs
-from raypai.alignment.roles.policy import _stack_right_padded
+from raypai.alignment._tensors import pad, sequence_logprob, stack_right_padded, token_logprobs
 
 
 def test_stacked_chosen_and_rejected_match_separate_forwards(tiny_model):
@@ -17,7 +16,7 @@ def test_stacked_chosen_and_rejected_match_separate_forwards(tiny_model):
         return pad(seqs, [[0] * prompt + [1] * (n - prompt) for n in lengths], 0)
 
     chosen, rejected = batch([9, 5, 12], 3), batch([7, 15, 4], 2)  # rejected is the longer batch
-    both = _stack_right_padded(chosen, rejected)
+    both = stack_right_padded(chosen, rejected)
     assert both["input_ids"].shape == (6, 15) and both["response_mask"].shape == (6, 14)
     with torch.no_grad():
         together = sequence_logprob(token_logprobs(model, both["input_ids"], both["attention_mask"]),
@@ -107,3 +106,127 @@ def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model)
     params = list(trainer.engine.module.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, params))
     assert all(p.grad is None for p in params)
+
+
+def _outputs(seqs: list[list[int]], prompt_lens: list[int]) -> dict:
+    """A rollout replica's output as `Rollout.generate` returns it (the fields the handover reads)."""
+    return {"seqs": seqs, "masks": [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)],
+            "completions": [str(s[p:]) for s, p in zip(seqs, prompt_lens)]}
+
+
+def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny_model):
+    """Online DPO's reference and trainer each pick the pairs from the rollout's outputs and the
+    reward's scores (`ranked_pairs`): per group the best against the worst, a group whose scores all
+    tie gives none, the replicas' rows are put back in the samples' order. The Reference's log-probs
+    of the pairs and the trainer's update equal those on pairs built by hand."""
+    from raypai.alignment._loop import ranked_pairs
+    from raypai.alignment._tensors import select_rows
+    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.reference import Reference
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [list(range(3, 8)), list(range(10, 14)), list(range(20, 26))]
+    seqs = [p + torch.randint(30, 200, (n,), generator=g).tolist() for p in prompts for n in (2, 4, 3)]
+    lens = [len(p) for p in prompts for _ in range(3)]
+    # two replicas; the samples' order interleaves them (`Pending.rows`: (replica, row) per sample)
+    order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3), (0, 4)]
+    outs = [_outputs([seqs[i] for i in (0, 2, 4, 6, 8)], [lens[i] for i in (0, 2, 4, 6, 8)]),
+            _outputs([seqs[i] for i in (1, 3, 5, 7)], [lens[i] for i in (1, 3, 5, 7)])]
+    # group 1: sample 2 best, 0 worst; group 2: all tie (a near miss, 0.5 vs 0.5, gives nothing);
+    # group 3: 0.51 beats 0.5 by a hair, which is still a preference
+    scores = {"total": [0.0, 0.2, 0.9, 0.5, 0.5, 0.5, 0.5, 0.51, 0.5]}
+    sampled = {"rows": order, "pad_id": 0, "n": 3}
+    chosen, rejected = ranked_pairs(scores, sampled, *outs)
+    batch = pad(seqs, [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, lens)], 0)
+    for got, want in ((chosen, [2, 7]), (rejected, [0, 6])):
+        assert all(torch.equal(got[k], select_rows(batch, torch.tensor(want))[k]) for k in got), want
+    assert ranked_pairs({"total": [1.0] * 9}, sampled, *outs) is None
+
+    ref = Reference(tiny_model)
+    ref_c, ref_r = ref.pair_logprobs_on(scores, sampled, *outs)
+    assert torch.allclose(ref_c, sequence_logprob(ref.logprobs(chosen), chosen["response_mask"]), atol=1e-5)
+    assert torch.allclose(ref_r, sequence_logprob(ref.logprobs(rejected), rejected["response_mask"]), atol=1e-5)
+    assert ref.pair_logprobs_on({"total": [1.0] * 9}, sampled, *outs) is None
+
+    a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
+    by_hand = a.dpo_step(chosen, rejected, ref_c, ref_r, 0.1, "sigmoid", 0.0)
+    handed = b.online_dpo_step_on(scores, (ref_c, ref_r), sampled, *outs, beta=0.1, loss_type="sigmoid",
+                                  label_smoothing=0.0)
+    assert handed == {**by_hand, "pairs": 2}
+    assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
+    before = [p.detach().clone() for p in b.engine.module.parameters()]
+    assert b.online_dpo_step_on({"total": [1.0] * 9}, None, sampled, *outs, beta=0.1, loss_type="sigmoid",
+                                label_smoothing=0.0) == {"pairs": 0}
+    assert all(torch.equal(p, q) for p, q in zip(before, b.engine.module.parameters()))  # no update
+
+
+def test_ppo_steps_on_a_handed_over_generation_equal_the_steps_on_driver_made_targets(tiny_model):
+    """PPO's trainers take the samples, scores, log-probs and values from Ray and compute the
+    advantages (policy) and returns (critic) themselves: the same updates as on targets computed
+    from the padded batch in one place; the replicas' rows are put back in the samples' order."""
+    from raypai.alignment.losses import gae, kl_penalized_rewards, masked_whiten
+    from raypai.alignment.roles.critic import Critic
+    from raypai.alignment.roles.policy import PolicyTrainer
+
+    g = torch.Generator().manual_seed(5)
+    seqs = [list(range(3, 3 + p)) + torch.randint(30, 200, (n,), generator=g).tolist()
+            for p, n in ((4, 3), (6, 2), (5, 5), (4, 1))]
+    lens = [4, 6, 5, 4]
+    order = [(1, 0), (0, 0), (1, 1), (0, 1)]  # sample 0 came from replica 1, sample 1 from replica 0, ...
+    outs = [_outputs([seqs[1], seqs[3]], [lens[1], lens[3]]), _outputs([seqs[0], seqs[2]], [lens[0], lens[2]])]
+    batch = pad(seqs, [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, lens)], 0)
+    mask = batch["response_mask"]
+    scores = {"total": [1.0, -0.5, 0.25, 2.0]}
+    old_lp, ref_lp = -torch.rand(mask.shape, generator=g) * mask, -torch.rand(mask.shape, generator=g) * mask
+    values = torch.randn(mask.shape, generator=g)
+    targets = {"kl_coef": 0.05, "gamma": 1.0, "lam": 0.95}
+    adv, returns = gae(kl_penalized_rewards(torch.tensor(scores["total"]), old_lp, ref_lp, mask, 0.05), values, mask,
+                       1.0, 0.95)
+    adv = masked_whiten(adv, mask)
+    sampled = {"rows": order, "pad_id": 0}
+
+    a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
+    assert a.ppo_step(batch, old_lp, adv, 0.2) == b.ppo_step_on(scores, old_lp, ref_lp, values, sampled, *outs,
+                                                                targets=targets, clip_eps=0.2)
+    assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
+    c, d = Critic(tiny_model, 1e-3, seed=0), Critic(tiny_model, 1e-3, seed=0)
+    assert torch.equal(c.values(batch), d.values_on(sampled, *outs))
+    assert c.train_step(batch, values, returns, 0.2) == d.train_step_on(scores, old_lp, ref_lp, values, sampled, *outs,
+                                                                        targets=targets, clip=0.2)
+    assert all(torch.equal(p, q) for p, q in zip(c.engine.module.parameters(), d.engine.module.parameters()))
+    # a different order of the samples is a different batch: the update differs (the test can fail)
+    e = PolicyTrainer(tiny_model, 1e-3, seed=0)
+    e.ppo_step_on(scores, old_lp, ref_lp, values, {"rows": None, "pad_id": 0}, *outs, targets=targets, clip_eps=0.2)
+    assert any(not torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), e.engine.module.parameters()))
+
+
+def test_rl_trainers_train_without_dropout_so_training_and_sampling_see_the_same_model(tmp_path):
+    """GPT-2 ships dropout 0.1 (embeddings, residuals, attention) and token-classification heads add
+    their own: in training mode the policy's log-probs and the critic's values would differ from the
+    eval-mode ones its samples, the reference and the rollout-time values were computed with. RL
+    trainers turn it off; SFT (`dropout=True`) keeps the model's own, and there the two differ."""
+    from raypai.alignment.roles._engine import set_mode
+    from raypai.alignment.roles.critic import Critic
+    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    gpt2 = build_tiny_model(tmp_path / "gpt2", family="gpt2")
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 12, 7)]
+    batch = pad(seqs, [[0] * 4 + [1] * (len(s) - 4) for s in seqs], 0)
+    m = batch["response_mask"]
+
+    def train_vs_eval(trainer):
+        set_mode(trainer.engine, True)
+        with torch.no_grad():
+            training = trainer._lp(batch, m)
+        return training, trainer.logprobs(batch)
+
+    assert torch.allclose(*train_vs_eval(PolicyTrainer(gpt2, 1e-3)), atol=1e-6)
+    kept = train_vs_eval(PolicyTrainer(gpt2, 1e-3, dropout=True))
+    assert not torch.allclose(*kept, atol=1e-3)  # SFT's trainer: dropout on in training mode
+    critic = Critic(gpt2, 1e-3)
+    set_mode(critic.engine, True)
+    with torch.no_grad():
+        training = critic._values(batch)
+    assert torch.allclose(training, critic.values(batch), atol=1e-6)
