@@ -45,6 +45,7 @@ def _cases(t, mask):
         "kl_penalized_rewards": [("", lambda: L.kl_penalized_rewards(t(B), lp, ref, mask, 0.05))],
         "gae": [("", lambda: L.gae(t(B, T), values, mask, 1.0, 0.95))],
         "clipped_value_loss": [("", lambda: L.clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2))],
+        "ppo_targets": [("", lambda: L.ppo_targets(t(B), lp, ref, values, mask, kl_coef=0.05, gamma=1.0, lam=0.95))],
     }
 
 
