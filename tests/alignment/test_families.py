@@ -6,7 +6,8 @@ tokenizer conventions (built here from transformers configs, no downloads):
 - GPT-2 with no chat template (completion format, no pad token).
 
 Per family: SFT (conversational and prompt/completion), DPO from a preference file, GRPO with a
-reward given by import path — each moving its held-out metric the right way — an export that plain
+reward given by import path — each moving its held-out metric the right way — online DPO and PPO
+(short runs: their phases hand over through Ray on the family's tokens), an export that plain
 `transformers` loads and whose generation stops at that family's end token, and a deployment
 through the deploy API answering the OpenAI-compatible API, stopping at the same token."""
 
@@ -21,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from raypai.alignment import DPOConfig, GRPOConfig, SFTConfig, run_dpo, run_grpo, run_sft
+from raypai.alignment import DPOConfig, GRPOConfig, PPOConfig, SFTConfig, run_dpo, run_grpo, run_ppo, run_sft
 from raypai.alignment.data import load
 from raypai.alignment.tasks import arithmetic as ar
 from raypai.alignment.tasks.tiny import build_tiny_model
@@ -156,6 +157,43 @@ def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(fami
     before, after = (_sampled_reward(m, TRAIN, CHAT[family["name"]]) for m in (family["sft"], out))
     assert after > before + 0.03, (before, after, g)
     family["grpo"] = out
+
+
+def _moved(model_dir: str, start_dir: str) -> bool:
+    """Whether any weight of the model in `model_dir` differs from the one in `start_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    a, b = (AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (model_dir, start_dir))
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_online_dpo_and_ppo_hand_their_phases_over_on_the_family(family, user_files):
+    """Online DPO (pairs ranked by the user's reward from the policy's own samples) and PPO (policy,
+    critic with the family's token-classification head, rollout, reference, reward) run on the
+    family's tokenizer and format, each phase taking its inputs from the last through Ray: the
+    trainers pad the family's sampled token ids themselves. Every step that learns is logged with
+    finite losses, and the exported policy is not the SFT model any more. Short runs: their
+    learning is asserted on raypai's own model (tests/alignment/test_algorithms.py)."""
+    tag, name = family["tag"], family["name"]
+    train = load(user_files[f"prompts_{tag}"], "prompt")
+    held = load(user_files[f"prompts_{tag}_held"], "prompt")[:4]
+    logger = _Rows()
+    out = str(family["dir"] / "odpo")
+    run_dpo(family["sft"], out, [], load(user_files[f"prefs_{tag}_held"], "preference"),
+            DPOConfig(steps=4, batch_size=8, num_samples=4, max_new_tokens=4, lr=1e-3, online=True),
+            prompts=train, held_out=held, rewards=["fam_rewards:exact_answer"], run_name=f"fam-odpo-{name}",
+            logger=logger)
+    steps = [m for step, m in logger.rows if step is not None]
+    assert steps and all(m["dpo/pairs"] > 0 and torch.isfinite(torch.tensor(m["dpo/loss"])) for m in steps), steps
+    assert _moved(out, family["sft"])
+    logger = _Rows()
+    out = str(family["dir"] / "ppo")
+    p = run_ppo(family["sft"], out, train, held, PPOConfig(steps=2, prompts_per_step=8, max_new_tokens=4, ppo_epochs=1),
+                rewards=["fam_rewards:exact_answer"], run_name=f"fam-ppo-{name}", logger=logger)
+    steps = [m for step, m in logger.rows if step is not None]
+    assert p["steps_run"] == 2 == len(steps)
+    assert all(torch.isfinite(torch.tensor([m["policy_loss"], m["value_loss"], m["kl"]])).all() for m in steps), steps
+    assert _moved(out, family["sft"])
 
 
 def test_export_loads_in_plain_transformers_and_stops_at_the_family_end_token(family):
