@@ -53,23 +53,20 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
     return engine
 
 
-def without_dropout(model) -> int:
-    """Turn off every dropout of `model` for training (returns how many were on): `nn.Dropout`
-    modules, and the attention dropout rate attention modules keep as a float (Llama, Qwen2: applied
-    functionally in training mode). An RL update compares the policy's log-probs (or the critic's
+def without_dropout(model) -> None:
+    """Turn off every dropout of `model` for training: `nn.Dropout` modules, and the attention
+    dropout rate attention modules keep as a float (Llama, Qwen2: applied functionally in training mode). An RL update compares the policy's log-probs (or the critic's
     values) in training mode with those its samples, the reference and the rollout-time values were
     computed with in eval mode; dropout would make those differ for the same weights (a ratio off 1
     on-policy, a nonzero DPO margin at the start), so RL trainers train without it, as TRL's DPO and
     PPO trainers do by default (`disable_dropout`). The model's saved config is left as it is."""
     import torch
 
-    on = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Dropout) and m.p:
-            m.p, on = 0.0, on + 1
-        if isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout:
-            m.attention_dropout, on = 0.0, on + 1
-    return on
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
 def step(engine) -> float:
