@@ -23,6 +23,7 @@ import random
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -254,12 +255,32 @@ def _cuda_event():
     return event
 
 
+@contextmanager
+def _local_copy(checkpoint, rank: int):
+    """The checkpoint as a local folder for this rank: its own path when it is local, else a copy
+    of this rank's own, removed afterwards. Not Ray's `Checkpoint.as_directory`: on a remote store
+    it gives every rank on a node one shared temporary copy, and a rank that finishes reading can
+    delete it while another, waiting for the download, has yet to open it (Ray then raises
+    "Checkpoint directory ... does not exist, even though it should have been created by another
+    process"; seen once in this project's S3 resume drill)."""
+    import shutil
+
+    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
+        yield checkpoint.path
+        return
+    folder = tempfile.mkdtemp(prefix=f"raypai-restore-rank{rank}-")
+    try:
+        yield checkpoint.to_directory(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def restore(engine, checkpoint, rank: int) -> tuple[int, dict | None]:
     """Load the state of `checkpoint` (a `ray.train.Checkpoint`) into `engine`; return the next step
     and, for a final checkpoint, the finished run's metrics (None otherwise)."""
     import torch
 
-    with checkpoint.as_directory() as d:
+    with _local_copy(checkpoint, rank) as d:
         d = Path(d)
         if not (d / DATA_POSITION).exists():
             raise TrainError(f"checkpoint {checkpoint.path} has no {DATA_POSITION}; it was not written by raypai")
