@@ -1,4 +1,4 @@
-"""GRPO with policy, rollout, reference and reward as separate Ray actors.
+"""GRPO with policy, rollout, reward and (with a KL term, beta > 0) reference as separate Ray actors.
 
     from raypai.alignment import GRPOConfig, run_grpo
     from raypai.alignment.data import load, split
@@ -64,10 +64,11 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
     # queried, beta > 0) the rest; the reward stays on CPUs
     g = cfg.gpus
+    # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
     specs = {"policy": RoleSpec(cpus=1, gpus=g / 2),
              "rollout": RoleSpec(cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas,
                                  replicas=cfg.rollout_replicas),
-             "reference": RoleSpec(cpus=0.5, gpus=g / 4 if cfg.beta else 0.0),
+             **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta else {}),
              "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
@@ -90,7 +91,7 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                                engine=cfg.rollout_engine, compiled=cfg.compile_rollout, device=device["rollout"],
                                gpu_share=specs["rollout"].gpus,
                                per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
-        [reference] = place.place("reference", Reference, model_dir, device=device["reference"])
+        [reference] = place.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
         [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
                                cfg.reward_model_weight)
         rng = random.Random(cfg.seed)

@@ -101,7 +101,7 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     assert [step for step, _ in logger.rows if step is not None] == list(range(1, 26))  # each step once, in order
 
 
-def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeypatch):
+def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_path, monkeypatch):
     logger, order = Sink(), UpdateOrder(monkeypatch)
     cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
                      eval_every=15)
@@ -115,6 +115,9 @@ def test_grpo_raises_held_out_exact_match_over_sft(sloppy_sft, tmp_path, monkeyp
     for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "policy_loss",
                 "sync_seconds", "sync_bytes", "samples_per_s", "time_rollout", "time_train"):
         assert key in logged, key
+    # beta = 0: no KL term, so no reference model was loaded (the state API lists the run's ended actors)
+    ran = {a.name for a in list_actors(address=ray_align, limit=10_000) if (a.name or "").startswith("t-grpo/")}
+    assert ran == {"t-grpo/policy-0", "t-grpo/rollout-0", "t-grpo/reward-0"}, ran
 
 
 class UpdateOrder:
@@ -229,7 +232,9 @@ def _running(pid: int) -> bool:
 
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tmp_path):
     ckpt = tmp_path / "ckpt"
-    cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3)
+    # beta > 0: the reference's log-probs enter the loss (its actor is placed and queried)
+    cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3,
+                     beta=0.04)
     driver = ray.remote(run_grpo).options(num_cpus=0, max_retries=0).remote(
         sft[0], str(tmp_path / "g1"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-kill", checkpoint_dir=str(ckpt),
         rewards=EXACT)
@@ -258,3 +263,6 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tm
     steps = [s for s, _ in logger.rows if s is not None]
     assert steps == list(range(saved + 1, 13))  # continues after the last checkpoint, to the end
     assert resumed["steps_run"] == 12 - saved and (tmp_path / "g2" / "model.safetensors").exists()
+    assert list_actors(address=ray_align, filters=[("name", "=", "t-resume/reference-0")])
+    # the resumed policy has moved away from the reference (the SFT model): a KL term was measured
+    assert all(m["kl"] > 0 for s, m in logger.rows if s is not None), logger.rows
