@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from raypai.alignment._order import gather_completions, sample_rows as _sample_rows
 from raypai.alignment._tensors import pad, select_rows
 from raypai.errors import RaypaiError
 
@@ -42,20 +43,11 @@ class Pending:
                                                                                         if self.order else {})}
 
 
-def _sample_rows(outs: list[dict], rows: list | None) -> list:
-    return rows or [(i, j) for i, o in enumerate(outs) for j in range(len(o["seqs"]))]
-
-
 def gather_batch(outs: list[dict], rows: list | None, pad_id: int) -> dict:
     """The rollout replicas' outputs (`Rollout.generate`) as one right-padded training batch, its rows
     in the samples' order (`Pending.rows`)."""
     rows = _sample_rows(outs, rows)
     return pad([outs[i]["seqs"][j] for i, j in rows], [outs[i]["masks"][j] for i, j in rows], pad_id)
-
-
-def gather_completions(outs: list[dict], rows: list | None) -> list[str]:
-    """The replicas' completion texts in the samples' order."""
-    return [outs[i]["completions"][j] for i, j in _sample_rows(outs, rows)]
 
 
 def handed_over(sampled: dict, outs: tuple) -> dict:

@@ -98,13 +98,14 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
                                live_weights=cfg.online and cfg.rollout_engine in LIVE_ENGINES, device=device,
                                sync_dtype="bfloat16" if g else None)
         [reference] = place.place("reference", Reference, model_dir, threads=threads, device=device)
+        if cfg.online:  # every role starts now, together (their processes start in parallel)
+            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
+                                    compiled=cfg.compile_rollout, device=device, gpu_share=specs["rollout"].gpus)
+            [reward] = place.place("reward", Reward, reward_fns)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         rng = random.Random(cfg.seed)
         if cfg.online:
-            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
-                                    compiled=cfg.compile_rollout, device=device, gpu_share=specs["rollout"].gpus)
-            [reward] = place.place("reward", Reward, reward_fns)
             held = held_out or []
             eval_before = reward_with(rollout, reward, held, cfg.max_new_tokens) if held else None
         else:  # reference log-probs of every pair, computed once, held by the trainer with the pairs:

@@ -13,7 +13,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raypai.alignment import _wire as wire
 from raypai.errors import ConfigError
 
 
@@ -46,7 +45,15 @@ def _resources(cpus: float, gpus: float) -> dict:
 
 
 def _install_wire(actor) -> None:
-    wire.install()
+    """Run in each role's process once it is built: its replies' tensors travel as arrays
+    (raypai.alignment._wire). A role that has not loaded torch (the Reward of plain Python reward
+    functions) sends none, and is left without it."""
+    import sys
+
+    if "torch" in sys.modules:
+        from raypai.alignment import _wire
+
+        _wire.install()
 
 
 class Placement:
@@ -76,7 +83,9 @@ class Placement:
                 bundles.append(_resources(spec.cpus, spec.gpus))
         self.specs = specs
         _check_fits(run_name, bundles)
-        wire.install()  # the driver's batches to the roles travel as arrays (raypai.alignment._wire)
+        from raypai.alignment import _wire
+
+        _wire.install()  # the driver's batches to the roles travel as arrays (raypai.alignment._wire)
         self.pg = placement_group(bundles, strategy="PACK", name=f"{run_name}-roles")
         ray.get(self.pg.ready(), timeout=300)
         self.actors: list = []

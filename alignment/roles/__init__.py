@@ -1,9 +1,18 @@
-"""Role actors: thin shells that build a model/engine and call pure functions."""
+"""Role actors: thin shells that build a model/engine and call pure functions.
 
-from raypai.alignment.roles.critic import Critic
-from raypai.alignment.roles.policy import PolicyTrainer
-from raypai.alignment.roles.reference import Reference
-from raypai.alignment.roles.reward import Reward
-from raypai.alignment.roles.rollout import Rollout
+The names below load on first use (PEP 562): a role's process imports its own module only, so the
+Reward actor of plain Python reward functions does not import torch."""
 
-__all__ = ["PolicyTrainer", "Rollout", "Reference", "Reward", "Critic"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"Critic": "critic", "PolicyTrainer": "policy", "Reference": "reference", "Reward": "reward",
+            "Rollout": "rollout"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raypai.alignment.roles' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"raypai.alignment.roles.{_EXPORTS[name]}"), name)

@@ -4,9 +4,8 @@ a trained reward model folder, or several of them with weights. Every function's
 
 from __future__ import annotations
 
-import torch
+import sys
 
-from raypai.alignment._tensors import pad
 from raypai.alignment.rewards import RewardError, check_output, name_of
 from raypai.chat import ChatFormat
 
@@ -27,33 +26,46 @@ class RewardModelScorer:
         self.model.config.pad_token_id = self.fmt.tok.pad_token_id
 
     def forward(self, prompts, completions):
+        from raypai.alignment._tensors import pad
+
         seqs, masks = zip(*(self.fmt.encode(p, as_completion(p, c) if isinstance(c, str) else c)
                             for p, c in zip(prompts, completions)))
         b = pad(list(seqs), list(masks), self.fmt.tok.pad_token_id)
         return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, 0]
 
-    @torch.no_grad()
     def scores(self, prompts, completions) -> list[float]:
-        return self.forward(prompts, completions).tolist()
+        import torch
+
+        with torch.no_grad():
+            return self.forward(prompts, completions).tolist()
 
 
 class Reward:
     def __init__(self, functions: list[tuple[object, float]] | None = None, model_dir: str | None = None,
                  model_weight: float = 1.0, threads: int = 1):
-        torch.set_num_threads(threads)
+        self.threads = threads
         self.functions = list(functions or [])
         self.model_weight = model_weight
         self.model = RewardModelScorer(model_dir) if model_dir else None
+        self._limit_threads()
+
+    def _limit_threads(self) -> None:
+        """torch's thread count, where torch is loaded (a reward model, or functions that use it).
+        Plain Python reward functions leave it unloaded: the process starts without it."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def score_outputs(self, prompts: list, rows: dict, order: list | None, *outs: dict) -> dict:
         """`score` of the rollout replicas' outputs (`Rollout.generate`, handed over by Ray as they
         come in), their completions taken in the samples' order (`_loop.Pending.rows`)."""
-        from raypai.alignment._loop import gather_completions
+        from raypai.alignment._order import gather_completions
 
         return self.score(prompts, gather_completions(list(outs), order), rows)
 
     def score(self, prompts: list, completions: list[str], rows: dict | None = None) -> dict:
         """{'total': [...], <function name>: [...]} — the weighted sum and each part."""
+        self._limit_threads()
         rows = rows or {}
         comps = [as_completion(p, c) for p, c in zip(prompts, completions)]
         parts = {}

@@ -2,6 +2,7 @@
 frozen reference, rule and callable rewards, a critic, and a placement that cannot fit."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -268,7 +269,7 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
         place.shutdown()
 
 
-def test_colocated_roles_share_one_bundle(ray_align):
+def test_colocated_roles_share_one_bundle(ray_align, tiny_model):
     """reward (0.25 CPU) and a second reward-style judge (0.5 CPU) colocated → one 0.75-CPU bundle;
     the policy keeps its own. Both colocated actors run and are named per role."""
     place = Placement("coloc-test", {"policy": RoleSpec(1), "reward": RoleSpec(0.25), "judge": RoleSpec(0.5)},
@@ -280,6 +281,13 @@ def test_colocated_roles_share_one_bundle(ray_align):
         assert ray.get(judge.score.remote(["1+1="], ["22"], {}))["total"] == [1.0]
         assert ray.get(reward.score.remote(["1+1="], ["2"], {"answer": [2]}))["total"] == [1.0]
         assert ray.get_actor("coloc-test/judge-0") is not None
+        # plain Python rewards: the reward's process never loads torch (seconds of start-up per run);
+        # the trainer's does (the same check, able to say yes)
+        # (a lambda, which Ray ships by value: a module-level function goes by reference, and importing
+        # this module would load torch)
+        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-3)
+        loads_torch = lambda actor: "torch" in sys.modules  # noqa: E731
+        assert ray.get([a.__ray_call__.remote(loads_torch) for a in (reward, policy)]) == [False, True]
     finally:
         place.shutdown()
 
