@@ -55,9 +55,9 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
 
 def without_dropout(model) -> None:
     """Turn off every dropout of `model` for training: `nn.Dropout` modules, and the attention
-    dropout rate attention modules keep as a float (Llama, Qwen2: applied functionally in training mode). An RL update compares the policy's log-probs (or the critic's
-    values) in training mode with those its samples, the reference and the rollout-time values were
-    computed with in eval mode; dropout would make those differ for the same weights (a ratio off 1
+    dropout rate attention modules keep as a float (Llama, Qwen2: applied functionally in training
+    mode). An RL update compares the policy's log-probs (or the critic's values) in training mode
+    with those its samples, the reference and the rollout-time values were computed with in eval mode; dropout would make those differ for the same weights (a ratio off 1
     on-policy, a nonzero DPO margin at the start), so RL trainers train without it, as TRL's DPO and
     PPO trainers do by default (`disable_dropout`). The model's saved config is left as it is."""
     import torch
