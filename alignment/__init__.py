@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {**dict.fromkeys(("SFTConfig", "RewardModelConfig", "DPOConfig", "GRPOConfig", "PPOConfig"),
-                            "raypai.alignment.config"),
-            "run_sft": "raypai.alignment.sft", "train_reward_model": "raypai.alignment.reward_model",
-            "run_dpo": "raypai.alignment.dpo", "run_grpo": "raypai.alignment.grpo", "run_ppo": "raypai.alignment.ppo"}
+_EXPORTS = {
+    **dict.fromkeys(
+        ("SFTConfig", "RewardModelConfig", "DPOConfig", "GRPOConfig", "PPOConfig"), "raypai.alignment.config"
+    ),
+    "run_sft": "raypai.alignment.sft",
+    "train_reward_model": "raypai.alignment.reward_model",
+    "run_dpo": "raypai.alignment.dpo",
+    "run_grpo": "raypai.alignment.grpo",
+    "run_ppo": "raypai.alignment.ppo",
+}
 __all__ = list(_EXPORTS)
 
 

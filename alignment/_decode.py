@@ -90,8 +90,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device, multiple: int = 1) -
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -110,17 +110,28 @@ class _ModelDecoder:
 
         self.cache, self.mask = DynamicCache(), mask
         try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.kv: self.cache})
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self.kv: self.cache}
+            )
         except TypeError as exc:  # a forward without position_ids or a cache argument
-            raise ConfigError([f"raypai's rollout loop cannot drive {type(self.model).__name__} ({exc}); set "
-                               "rollout_engine='hf' in the algorithm's config to sample with transformers' generate"],
-                              what="rollout engine") from exc
+            raise ConfigError(
+                [
+                    f"raypai's rollout loop cannot drive {type(self.model).__name__} ({exc}); set "
+                    "rollout_engine='hf' in the algorithm's config to sample with transformers' generate"
+                ],
+                what="rollout engine",
+            ) from exc
         return out.logits[:, -1]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(tok), 1))], dim=1)
-        return self.model(input_ids=tok[:, None], attention_mask=self.mask, position_ids=pos[:, None], use_cache=True,
-                          **{self.kv: self.cache}).logits[:, -1]
+        return self.model(
+            input_ids=tok[:, None],
+            attention_mask=self.mask,
+            position_ids=pos[:, None],
+            use_cache=True,
+            **{self.kv: self.cache},
+        ).logits[:, -1]
 
     def keep(self, rows: torch.Tensor) -> None:
         self.mask = self.mask[rows]
@@ -129,9 +140,21 @@ class _ModelDecoder:
 
 
 @torch.no_grad()
-def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_tokens: int,
-           temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           logprobs: bool = False, lean: bool = True, static: bool | None = None, compiled: bool = False) -> Decoded:
+def decode(
+    model,
+    prompts: list[list[int]],
+    *,
+    pad_id: int,
+    stop_ids,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    logprobs: bool = False,
+    lean: bool = True,
+    static: bool | None = None,
+    compiled: bool = False,
+) -> Decoded:
     """Sample up to `max_new_tokens` after each prompt (token id lists of any lengths); a row ends
     at the first token in `stop_ids`. Random draws come from `generator` (default: torch's global
     generator, which the rollout checkpoints). `lean`: use raypai's lean forward for Llama-family
@@ -166,11 +189,13 @@ def decode(model, prompts: list[list[int]], *, pad_id: int, stop_ids, max_new_to
             run = GraphedStep(dec)
         else:
             run = partial(compiled_static_step(), dec) if compiled else dec.static_step
-        sampled = _static_loop(run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p,
-                               generator, out_lp, device)
+        sampled = _static_loop(
+            run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p, generator, out_lp, device
+        )
         return _decoded(sampled, out_lp, stop_ids)
-    sampled, stopped = _sample_loop(dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p,
-                                    generator, out_lp, device)
+    sampled, stopped = _sample_loop(
+        dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p, generator, out_lp, device
+    )
     return _decoded(sampled, out_lp, stop_ids, stopped)
 
 
@@ -183,12 +208,23 @@ def _decoded(sampled: torch.Tensor, out_lp: torch.Tensor | None, stop_ids, stopp
     if stopped is None:
         stops = set(stop_ids)
         stopped = sum(1 for t in tokens if t and t[-1] in stops)
-    lps = None if out_lp is None else [lp[:len(t)] for lp, t in zip(out_lp.cpu(), tokens)]
+    lps = None if out_lp is None else [lp[: len(t)] for lp, t in zip(out_lp.cpu(), tokens)]
     return Decoded(tokens, lps, stopped)
 
 
-def _static_loop(run, tok_in: torch.Tensor, logits: torch.Tensor, B: int, max_new_tokens: int, stop_ids,
-                 temperature: float, top_p: float, generator, out_lp, device) -> torch.Tensor:
+def _static_loop(
+    run,
+    tok_in: torch.Tensor,
+    logits: torch.Tensor,
+    B: int,
+    max_new_tokens: int,
+    stop_ids,
+    temperature: float,
+    top_p: float,
+    generator,
+    out_lp,
+    device,
+) -> torch.Tensor:
     """Sample and record every row at every step (a row's tokens after its stop token are dropped),
     then `run()` the fixed-shape step on the sampled tokens written into `tok_in`. The host waits for
     the device once per CHECK_EVERY tokens, to stop early once every row has ended, instead of
@@ -209,8 +245,19 @@ def _static_loop(run, tok_in: torch.Tensor, logits: torch.Tensor, B: int, max_ne
     return out_tokens
 
 
-def _sample_loop(dec, logits, nxt_pos, B: int, max_new_tokens: int, stop_ids, temperature: float, top_p: float,
-                 generator, out_lp, device) -> tuple[torch.Tensor, int]:
+def _sample_loop(
+    dec,
+    logits,
+    nxt_pos,
+    B: int,
+    max_new_tokens: int,
+    stop_ids,
+    temperature: float,
+    top_p: float,
+    generator,
+    out_lp,
+    device,
+) -> tuple[torch.Tensor, int]:
     """Sample, record, drop finished rows, step: until every row stopped or max_new_tokens.
     Returns (B, max_new_tokens) sampled ids (−1 after a row's end) and the count of rows that stopped."""
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)

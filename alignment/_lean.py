@@ -70,8 +70,10 @@ def _fused(layer) -> tuple[tuple, tuple]:
     a, m = layer.self_attn, layer.mlp
     qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
     gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-    return ((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
-            (torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b))
+    return (
+        (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
+        (torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b),
+    )
 
 
 class _Shape:
@@ -85,10 +87,10 @@ def _qkv(layer, qkv, s: _Shape, x: torch.Tensor, cos, sin):
     `cos`, `sin` from `_rotary`. The q and k heads are rotated together, in one pass."""
     B, T, _ = x.shape
     h = F.linear(_rms(layer.input_layernorm, x), *qkv).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
-    qk = h[:, :, :s.heads + s.kv_heads]
+    qk = h[:, :, : s.heads + s.kv_heads]
     qk = (qk * cos + qk.roll(s.head_dim // 2, -1) * sin).transpose(1, 2)
     q, k = qk.split([s.heads, s.kv_heads], dim=1)
-    return q, k, h[:, :, s.heads + s.kv_heads:].transpose(1, 2)
+    return q, k, h[:, :, s.heads + s.kv_heads :].transpose(1, 2)
 
 
 def _heads_last(o: torch.Tensor) -> torch.Tensor:
@@ -122,8 +124,9 @@ def lean_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     mask = None  # right padding: causal attention alone never reaches a row's padding
     if not right_padded(attention_mask):  # a query attends to earlier real tokens; a padding query to itself
         causal = torch.ones((T, T), dtype=torch.bool, device=input_ids.device).tril()
-        mask = (causal & attention_mask.bool()[:, None, None, :]) | torch.eye(T, dtype=torch.bool,
-                                                                             device=input_ids.device)
+        mask = (causal & attention_mask.bool()[:, None, None, :]) | torch.eye(
+            T, dtype=torch.bool, device=input_ids.device
+        )
     return _rms(inner.norm, _layer_stack(inner, s, x, cos, sin, mask)[0])
 
 
@@ -145,12 +148,15 @@ def _layer_stack(inner, s: _Shape, x: torch.Tensor, cos, sin, mask, prefix=None,
         if x_p is not None:
             qp, kp, vp = _qkv(layer, qkv, s, x_p, cos_p, sin_p)
             # right-padded prefixes: causal attention never reaches a prefix's padding
-            x_p_next = _finish(layer, gate_up, x_p, _heads_last(F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, enable_gqa=gqa)))
+            x_p_next = _finish(
+                layer,
+                gate_up,
+                x_p,
+                _heads_last(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)),
+            )
             k, v = torch.cat([kp[group], k], dim=2), torch.cat([vp[group], v], dim=2)  # (B, kv_heads, Lp + T, d)
             x_p = x_p_next
-        o = _heads_last(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                       enable_gqa=gqa))
+        o = _heads_last(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa))
         if keep is not None and i == last:
             x, o = x[keep], o[keep]
         x = _finish(layer, gate_up, x, o)
@@ -190,8 +196,9 @@ def shared_prefixes(input_ids: torch.Tensor, attention_mask: torch.Tensor, where
 PACKED_MAX_LEN = 256
 
 
-def lean_response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor,
-                           groups) -> torch.Tensor:
+def lean_response_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor, groups
+) -> torch.Tensor:
     """token_logprobs' values at the label positions `where` (B, T−1) of a right-padded batch, 0
     elsewhere, with each shared prompt run once (`groups` from `shared_prefixes`): the prompt's
     tokens pass through the layers once per group instead of once per row, and the gradient of
@@ -213,8 +220,9 @@ def lean_response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch
     return _split(model, input_ids, where, plen, slen, group, firsts)
 
 
-def _logprobs_at(model, h: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, lab: torch.Tensor,
-                 shape: tuple[int, int]) -> torch.Tensor:
+def _logprobs_at(
+    model, h: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor, lab: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
     """log p(label) from final-norm hidden states h (N, hidden), placed at (rows, lab) of a zero (B, T−1)."""
     logits = model.lm_head(h).float()  # (N, V)
     lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -252,8 +260,9 @@ def _packed(model, input_ids, where, plen, slen, off, group, firsts) -> torch.Te
     # padding query attends to itself (a query with no key would give NaN)
     i = torch.arange(P, device=dev)
     sq, sk = seg[:, :, None], seg[:, None, :]
-    mask = ((i[None, :] <= i[:, None]) & (sk >= 0) & ((sk == 0) | (sk == sq))) | torch.eye(P, dtype=torch.bool,
-                                                                                          device=dev)
+    mask = ((i[None, :] <= i[:, None]) & (sk >= 0) & ((sk == 0) | (sk == sq))) | torch.eye(
+        P, dtype=torch.bool, device=dev
+    )
     # label j of row b (its continuation's token j, at position plen + j) is predicted by the state
     # before it: the prompt's last for j = 0, else the row's input j − 1
     j = torch.arange(int(slen.max()), device=dev)
@@ -312,9 +321,13 @@ def _split(model, input_ids, where, plen, slen, group, firsts) -> torch.Tensor:
         kp, vp = heads(kp, U, Lp), heads(vp, U, Lp)
         # right-padded prompts: causal attention never reaches a prompt's padding
         op = F.scaled_dot_product_attention(heads(qp, U, Lp), kp, vp, is_causal=True, enable_gqa=gqa)
-        os_ = F.scaled_dot_product_attention(heads(qs, B, Li), torch.cat([kp[group], heads(ks, B, Li)], dim=2),
-                                             torch.cat([vp[group], heads(vs, B, Li)], dim=2), attn_mask=mask,
-                                             enable_gqa=gqa)
+        os_ = F.scaled_dot_product_attention(
+            heads(qs, B, Li),
+            torch.cat([kp[group], heads(ks, B, Li)], dim=2),
+            torch.cat([vp[group], heads(vs, B, Li)], dim=2),
+            attn_mask=mask,
+            enable_gqa=gqa,
+        )
         o = torch.cat([op.transpose(1, 2).reshape(n_p, H * D), os_.transpose(1, 2).reshape(B * Li, H * D)])
         if i == last:
             x, o = x[keep], o[keep]
@@ -350,8 +363,13 @@ class LeanDecoder:
             q, k, v = _qkv(layer, qkv, self.s, x, cos, sin)
             self.k[i][:, :, at] = k
             self.v[i][:, :, at] = v
-            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :keys], self.v[i][:, :, :keys], attn_mask=mask,
-                                               enable_gqa=self.s.heads != self.s.kv_heads)
+            o = F.scaled_dot_product_attention(
+                q,
+                self.k[i][:, :, :keys],
+                self.v[i][:, :, :keys],
+                attn_mask=mask,
+                enable_gqa=self.s.heads != self.s.kv_heads,
+            )
             x = _finish(layer, gate_up, x, _heads_last(o))
         return x
 
@@ -394,19 +412,19 @@ class LeanDecoder:
         B, H, KV, D = len(tok), s.heads, s.kv_heads, s.head_dim
         G = H // KV
         self.bias[:, t] = 0.0
-        bias = self.bias[:, None, None, :t + 1]  # (B, 1, 1, t+1)
+        bias = self.bias[:, None, None, : t + 1]  # (B, 1, 1, t+1)
         x = self.embed(tok)  # (B, hidden)
         cos, sin = self._rotation(x, pos)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, D)
         for i, layer in enumerate(self.layers):
             (w, b), gate_up = self.fused[i]
             h = F.linear(_rms(layer.input_layernorm, x), w, b).view(B, H + 2 * KV, D)
-            qk = _rope(h[:, :H + KV], cos, sin)  # q and k heads rotated together
+            qk = _rope(h[:, : H + KV], cos, sin)  # q and k heads rotated together
             self.k[i][:, :, t] = qk[:, H:]
-            self.v[i][:, :, t] = h[:, H + KV:]
-            keys, values = self.k[i][:, :, :t + 1], self.v[i][:, :, :t + 1]  # (B, KV, t+1, D)
+            self.v[i][:, :, t] = h[:, H + KV :]
+            keys, values = self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1]  # (B, KV, t+1, D)
             # the G query heads of a key head attend together: (B, KV, G, D) @ (B, KV, D, t+1)
-            scores = torch.matmul(qk[:, :H].reshape(B, KV, G, D), keys.transpose(-1, -2)).mul_(D ** -0.5).add_(bias)
+            scores = torch.matmul(qk[:, :H].reshape(B, KV, G, D), keys.transpose(-1, -2)).mul_(D**-0.5).add_(bias)
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             o = torch.matmul(weights, values).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp
@@ -450,10 +468,10 @@ class LeanDecoder:
         for i, layer in enumerate(self.layers):
             (w, b), gate_up = self.fused[i]
             h = F.linear(_rms(layer.input_layernorm, x), w, b).view(B, H + 2 * KV, D)
-            qk = _rope(h[:, :H + KV], cos, sin)
+            qk = _rope(h[:, : H + KV], cos, sin)
             self.k[i].index_copy_(2, t, qk[:, H:, None])
-            self.v[i].index_copy_(2, t, h[:, H + KV:, None])
-            scores = torch.matmul(qk[:, :H].reshape(B, KV, G, D), self.k[i].transpose(-1, -2)).mul_(D ** -0.5)
+            self.v[i].index_copy_(2, t, h[:, H + KV :, None])
+            scores = torch.matmul(qk[:, :H].reshape(B, KV, G, D), self.k[i].transpose(-1, -2)).mul_(D**-0.5)
             weights = torch.softmax(scores.add_(bias), dim=-1, dtype=torch.float32).to(self.v[i].dtype)
             o = torch.matmul(weights, self.v[i]).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp

@@ -28,6 +28,7 @@ class Samples:
 @dataclass
 class Pending:
     """Generation in flight on the rollout replicas (`launch`), not yet waited for (`collect`)."""
+
     refs: list  # one ObjectRef per replica that got work
     order: list  # the problems, in the order of the samples after `collect`
     n: int
@@ -39,8 +40,10 @@ class Pending:
 
     def extras(self) -> dict:
         """The problems' extra dataset columns, one value per sample (the reward functions' keywords)."""
-        return {k: [p.extras[k] for p in self.order for _ in range(self.n)] for k in (self.order[0].extras
-                                                                                        if self.order else {})}
+        return {
+            k: [p.extras[k] for p in self.order for _ in range(self.n)]
+            for k in (self.order[0].extras if self.order else {})
+        }
 
 
 def gather_batch(outs: list[dict], rows: list | None, pad_id: int) -> dict:
@@ -62,7 +65,7 @@ def best_vs_worst_index(scores: list[float], n: int) -> list[tuple[int, int]]:
     groups whose scores all tie carry no preference and are skipped. Returns (chosen, rejected) indices."""
     pairs = []
     for g in range(0, len(scores), n):
-        sc = scores[g:g + n]
+        sc = scores[g : g + n]
         best, worst = max(range(len(sc)), key=sc.__getitem__), min(range(len(sc)), key=sc.__getitem__)
         if sc[best] > sc[worst]:
             pairs.append((g + best, g + worst))
@@ -83,8 +86,16 @@ def ranked_pairs(scores: dict, sampled: dict, *outs: dict) -> tuple[dict, dict] 
     return select_rows(batch, [i for i, _ in idx]), select_rows(batch, [j for _, j in idx])
 
 
-def launch(rollouts: list, problems: list, n: int, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
-           logprobs: bool = False) -> Pending:
+def launch(
+    rollouts: list,
+    problems: list,
+    n: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    logprobs: bool = False,
+) -> Pending:
     """Start sampling n completions per prompt (PromptExample) on the rollout replicas; returns at
     once. With at least as many prompts as replicas each replica takes whole groups; with fewer (one
     prompt × a group of 8 on two replicas) the groups' samples are split across the replicas and
@@ -111,16 +122,25 @@ def collect(pending: Pending, *, pad_id: int) -> Samples:
         behaviour = torch.zeros(batch["response_mask"].shape)
         for row, (i, j) in enumerate(rows):
             lp = outs[i]["logprobs"][j]
-            behaviour[row, :lp.shape[0]] = lp
-    return Samples(batch, pending.prompts(), gather_completions(outs, rows), pending.extras(), behaviour,
-                   min((o.get("weights_version", 0) for o in outs), default=0))
+            behaviour[row, : lp.shape[0]] = lp
+    return Samples(
+        batch,
+        pending.prompts(),
+        gather_completions(outs, rows),
+        pending.extras(),
+        behaviour,
+        min((o.get("weights_version", 0) for o in outs), default=0),
+    )
 
 
-def sample(rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float,
-           top_p: float = 1.0) -> Samples:
+def sample(
+    rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float, top_p: float = 1.0
+) -> Samples:
     """n samples per problem, waited for (`launch` then `collect`)."""
-    return collect(launch(rollouts, problems, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
-                   pad_id=pad_id)
+    return collect(
+        launch(rollouts, problems, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
+        pad_id=pad_id,
+    )
 
 
 def score(reward, prompts: list, completions: list[str], rows: dict) -> dict:
@@ -191,15 +211,29 @@ def mean_of(history: list[dict], keys) -> dict:
     return out
 
 
-def end_step(algo: str, step: int, metrics: dict, *, steps: int, eval_every: int, evaluate, checkpoint_every: int,
-             checkpoint, logger, history: list) -> None:
+def end_step(
+    algo: str,
+    step: int,
+    metrics: dict,
+    *,
+    steps: int,
+    eval_every: int,
+    evaluate,
+    checkpoint_every: int,
+    checkpoint,
+    logger,
+    history: list,
+) -> None:
     """An RL loop's end of step: every `eval_every` steps the held-out reward (`evaluate()`), every
     `checkpoint_every` steps a checkpoint (`checkpoint(step)` → seconds; None: no checkpoints), then
     the metrics logged and kept."""
     if step % eval_every == 0:
         metrics["eval_reward"] = evaluate()
-        print(f"[raypai.{algo}] step {step}/{steps} reward {metrics['reward_mean']:.3f} "
-              f"held-out reward {metrics['eval_reward']:.3f}", flush=True)
+        print(
+            f"[raypai.{algo}] step {step}/{steps} reward {metrics['reward_mean']:.3f} "
+            f"held-out reward {metrics['eval_reward']:.3f}",
+            flush=True,
+        )
     if checkpoint is not None and step % checkpoint_every == 0:
         metrics["checkpoint_seconds"] = checkpoint(step)
     if logger is not None:
@@ -222,8 +256,10 @@ def asleep(trainers: list, on_gpu: bool):
         return
     slept = ray.get([t.sleep.remote() for t in trainers])
     try:
-        yield {"offload_bytes": sum(s["offload_bytes"] for s in slept),
-               "offload_seconds": max(s["offload_seconds"] for s in slept)}
+        yield {
+            "offload_bytes": sum(s["offload_bytes"] for s in slept),
+            "offload_seconds": max(s["offload_seconds"] for s in slept),
+        }
     finally:
         for t in trainers:
             t.wake.remote()

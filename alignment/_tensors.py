@@ -39,9 +39,9 @@ def pad(seqs: list[list[int]], resp: list[list[int]], pad_id: int) -> dict:
     att = torch.zeros((len(seqs), T), dtype=torch.long)
     rm = torch.zeros((len(seqs), T), dtype=torch.float32)
     for i, (s, m) in enumerate(zip(seqs, resp)):
-        ids[i, :len(s)] = torch.tensor(s)
-        att[i, :len(s)] = 1
-        rm[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        ids[i, : len(s)] = torch.tensor(s)
+        att[i, : len(s)] = 1
+        rm[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return {"input_ids": ids, "attention_mask": att, "response_mask": rm[:, 1:]}
 
 
@@ -49,8 +49,11 @@ def select_rows(batch: dict, idx) -> dict:
     """Rows `idx` of a right-padded batch (`pad`'s layout), trimmed to their own longest sequence."""
     b = {k: v[idx] for k, v in batch.items()}
     L = int(b["attention_mask"].sum(1).max())
-    return {"input_ids": b["input_ids"][:, :L], "attention_mask": b["attention_mask"][:, :L],
-            "response_mask": b["response_mask"][:, :L - 1]}
+    return {
+        "input_ids": b["input_ids"][:, :L],
+        "attention_mask": b["attention_mask"][:, :L],
+        "response_mask": b["response_mask"][:, : L - 1],
+    }
 
 
 def stack_right_padded(a: dict, b: dict) -> dict:
@@ -61,9 +64,11 @@ def stack_right_padded(a: dict, b: dict) -> dict:
     def widen(x: torch.Tensor, width: int) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
-    return {"input_ids": torch.cat([widen(a["input_ids"], T), widen(b["input_ids"], T)]),
-            "attention_mask": torch.cat([widen(a["attention_mask"], T), widen(b["attention_mask"], T)]),
-            "response_mask": torch.cat([widen(a["response_mask"], T - 1), widen(b["response_mask"], T - 1)])}
+    return {
+        "input_ids": torch.cat([widen(a["input_ids"], T), widen(b["input_ids"], T)]),
+        "attention_mask": torch.cat([widen(a["attention_mask"], T), widen(b["attention_mask"], T)]),
+        "response_mask": torch.cat([widen(a["response_mask"], T - 1), widen(b["response_mask"], T - 1)]),
+    }
 
 
 def cpu_threads(flops: float, flops_per_thread: float, most: int) -> int:
@@ -77,15 +82,21 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor | None = None,
-                   lean: bool = True) -> torch.Tensor:
+def token_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where: torch.Tensor | None = None, lean: bool = True
+) -> torch.Tensor:
     """log p(x_{t+1} | x_≤t) for every position: (B, T−1). With `where` (B, T−1), only those positions
     are computed (the output head and the log-softmax over the vocabulary on them alone) and every
     other entry is 0. `lean`: Llama-family models run raypai's lean forward (`raypai.alignment._lean`),
     others their own, and rows that continue the same prompt (GRPO's groups, DPO's pairs) run that
     prompt once; all give the same values and gradients (tests/alignment/test_lean_train.py)."""
-    from raypai.alignment._lean import (lean_hidden, lean_response_logprobs, lean_supported, right_padded,
-                                        shared_prefixes)
+    from raypai.alignment._lean import (
+        lean_hidden,
+        lean_response_logprobs,
+        lean_supported,
+        right_padded,
+        shared_prefixes,
+    )
 
     B, T = input_ids.shape
     if lean and lean_supported(model) and where is not None and right_padded(attention_mask):
@@ -96,12 +107,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         L = T
         if right_padded(attention_mask):  # trailing all-padding columns: no label there is asked for
             L = int(attention_mask.sum(1).max())
-            if where is not None and where[:, L - 1:].any():
+            if where is not None and where[:, L - 1 :].any():
                 L = T
             L = max(L, 2)
         h = lean_hidden(model, input_ids[:, :L], attention_mask[:, :L])[:, :-1]  # (B, L−1, hidden)
         if where is not None:
-            where = where[:, :L - 1].bool()
+            where = where[:, : L - 1].bool()
             h = h[where]  # (N, hidden): the positions asked for
         logits = model.lm_head(h).float()  # (N, V) or (B, L−1, V)
     else:

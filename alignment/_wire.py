@@ -19,13 +19,29 @@ import io
 
 import torch
 
-_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool})
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided and not t.is_conj()
-            and not t.is_neg())
+    return (
+        t.device.type == "cpu"
+        and not t.requires_grad
+        and t.layout == torch.strided
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def to_wire(t: torch.Tensor):

@@ -32,8 +32,11 @@ def save_run(folder: str | Path, *, step: int, rng, policy, rollouts: list, crit
     if critic is not None:
         ray.get(critic.save_checkpoint.remote(str(folder / "critic"), tag))
     rollout_rng = ray.get([r.rng_state.remote() for r in rollouts])
-    ray.get(policy.save_checkpoint.remote(str(folder / "policy"),
-                                          {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}, tag))
+    ray.get(
+        policy.save_checkpoint.remote(
+            str(folder / "policy"), {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}, tag
+        )
+    )
     return time.perf_counter() - t0
 
 

@@ -19,24 +19,32 @@ from typing import List, Optional
 
 import typer
 
-KINDS = {"sft": "sft", "reward_model": "preference", "dpo": "preference", "online_dpo": "prompt", "grpo": "prompt",
-         "ppo": "prompt"}
+KINDS = {
+    "sft": "sft",
+    "reward_model": "preference",
+    "dpo": "preference",
+    "online_dpo": "prompt",
+    "grpo": "prompt",
+    "ppo": "prompt",
+}
 
-model_app = typer.Typer(help="Bring existing Hugging Face models into the artifact store and registry.",
-                        no_args_is_help=True)
+model_app = typer.Typer(
+    help="Bring existing Hugging Face models into the artifact store and registry.", no_args_is_help=True
+)
 
 
-def align_command(algo: str = typer.Argument(..., help="sft | reward_model | dpo | online_dpo | grpo | ppo"),
-                  model: str = typer.Option(..., "--model", help="HF model folder or models:/NAME@ALIAS"),
-                  data: str = typer.Option(..., "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder"),
-                  out: Path = typer.Option(..., "--out", help="where the aligned model is written"),
-                  eval_data: Optional[str] = typer.Option(None, "--eval-data", help="held-out data (default: a split)"),
-                  reward: List[str] = typer.Option([], "--reward", help="pkg.mod:fn[=weight], repeatable"),
-                  reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model folder"),
-                  pairs: Optional[str] = typer.Option(None, "--eval-pairs",
-                                                      help="online_dpo: held-out preference pairs"),
-                  config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options"),
-                  eval_fraction: float = typer.Option(0.1, help="held out when --eval-data is not given")):
+def align_command(
+    algo: str = typer.Argument(..., help="sft | reward_model | dpo | online_dpo | grpo | ppo"),
+    model: str = typer.Option(..., "--model", help="HF model folder or models:/NAME@ALIAS"),
+    data: str = typer.Option(..., "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder"),
+    out: Path = typer.Option(..., "--out", help="where the aligned model is written"),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="held-out data (default: a split)"),
+    reward: List[str] = typer.Option([], "--reward", help="pkg.mod:fn[=weight], repeatable"),
+    reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model folder"),
+    pairs: Optional[str] = typer.Option(None, "--eval-pairs", help="online_dpo: held-out preference pairs"),
+    config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options"),
+    eval_fraction: float = typer.Option(0.1, help="held out when --eval-data is not given"),
+):
     """Align a model on your data (policy, reference, reward, critic as Ray actors)."""
     from raypai.alignment import config as C
     from raypai.alignment import data as D
@@ -87,16 +95,26 @@ def _run(algo, model_dir, out, train, held, cfg, rewards, reward_model, eval_pai
         if algo == "online_dpo":
             return run_dpo(model_dir, out, [], eval_pairs, cfg, prompts=train, held_out=held, rewards=rewards)
         run = run_grpo if algo == "grpo" else run_ppo
-        return run(model_dir, out, train, held, cfg, rewards=rewards, reward_model_dir=reward_model,
-                   checkpoint_dir=out + ".ckpt")
+        return run(
+            model_dir,
+            out,
+            train,
+            held,
+            cfg,
+            rewards=rewards,
+            reward_model_dir=reward_model,
+            checkpoint_dir=out + ".ckpt",
+        )
     finally:
         ray.shutdown()
 
 
 @model_app.command("import")
-def import_command(path: Path = typer.Argument(..., help="an HF causal-LM folder (config.json, weights, tokenizer)"),
-                   name: str = typer.Option(..., "--name", help="registered model name"),
-                   alias: str = typer.Option("base", help="registry alias set on the new version")):
+def import_command(
+    path: Path = typer.Argument(..., help="an HF causal-LM folder (config.json, weights, tokenizer)"),
+    name: str = typer.Option(..., "--name", help="registered model name"),
+    alias: str = typer.Option("base", help="registry alias set on the new version"),
+):
     """Copy an HF model folder into the artifact store and register it (a lineage root)."""
     from raypai.alignment.models import check_causal_lm
     from raypai.alignment.steps import model_import
@@ -106,12 +124,23 @@ def import_command(path: Path = typer.Argument(..., help="an HF causal-LM folder
 
     check_causal_lm(path, "imported")  # before Ray starts
     result = Runner(Settings.load(), progress=Progress()).run(
-        model_import.build(path=str(path.absolute()), name=name, alias=alias))
+        model_import.build(path=str(path.absolute()), name=name, alias=alias)
+    )
     if not result.ok:
         raise typer.Exit(1)
     art = result.result
-    typer.echo(json.dumps({"model": name, "alias": alias, "artifact_id": art.id, "digest": art.digest,
-                           "uri": f"models:/{name}@{alias}"}, indent=1))
+    typer.echo(
+        json.dumps(
+            {
+                "model": name,
+                "alias": alias,
+                "artifact_id": art.id,
+                "digest": art.digest,
+                "uri": f"models:/{name}@{alias}",
+            },
+            indent=1,
+        )
+    )
 
 
 def _read_config(path: Path) -> dict:
@@ -124,11 +153,14 @@ def _read_config(path: Path) -> dict:
     try:
         values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError([f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({exc})"],
-                          what="--config file") from None
+        raise ConfigError(
+            [f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({exc})"], what="--config file"
+        ) from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ConfigError([f"{path}: expected a mapping of options (e.g. `steps: 100`), got a {type(values).__name__}"],
-                          what="--config file")
+        raise ConfigError(
+            [f"{path}: expected a mapping of options (e.g. `steps: 100`), got a {type(values).__name__}"],
+            what="--config file",
+        )
     return values

@@ -24,31 +24,42 @@ def _positive(cfg, names, problems):
         if getattr(cfg, n) <= 0:
             problems.append(f"{type(cfg).__name__}.{n} must be > 0 (got {getattr(cfg, n)})")
     if getattr(cfg, "truncation", "refuse") not in ("refuse", "truncate"):
-        problems.append(f"{type(cfg).__name__}.truncation must be 'refuse' or 'truncate' (got {cfg.truncation!r}): "
-                        "what happens to an example longer than max_length")
+        problems.append(
+            f"{type(cfg).__name__}.truncation must be 'refuse' or 'truncate' (got {cfg.truncation!r}): "
+            "what happens to an example longer than max_length"
+        )
     if getattr(cfg, "max_length", 0) < 0:
         problems.append(f"{type(cfg).__name__}.max_length must be ≥ 0 (got {cfg.max_length}); 0 = the model's context")
     engine = getattr(cfg, "rollout_engine", "raypai")
     if engine not in ROLLOUT_ENGINES:
-        problems.append(f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
-                        f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive; "
-                        "'vllm' = vLLM, installed with raypai[vllm])")
+        problems.append(
+            f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
+            f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive; "
+            "'vllm' = vLLM, installed with raypai[vllm])"
+        )
     if getattr(cfg, "compile_rollout", False) and engine != "raypai":
-        problems.append(f"{type(cfg).__name__}.compile_rollout compiles raypai's own decoding step; it does not "
-                        f"apply to rollout_engine {engine!r} (set rollout_engine='raypai' or compile_rollout=False)")
+        problems.append(
+            f"{type(cfg).__name__}.compile_rollout compiles raypai's own decoding step; it does not "
+            f"apply to rollout_engine {engine!r} (set rollout_engine='raypai' or compile_rollout=False)"
+        )
     gpus = getattr(cfg, "gpus", 0)
     if not 0 <= gpus <= 1:
-        problems.append(f"{type(cfg).__name__}.gpus must be in [0, 1] (got {gpus:g}): the roles of a run share one "
-                        "GPU and take turns on it (0 runs them on CPUs)")
+        problems.append(
+            f"{type(cfg).__name__}.gpus must be in [0, 1] (got {gpus:g}): the roles of a run share one "
+            "GPU and take turns on it (0 runs them on CPUs)"
+        )
     zero = getattr(cfg, "zero_stage", 0)
     if zero not in (0, 1, 2):
-        problems.append(f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
-                        "model, ZeRO-3 parameter sharding needs several trainer ranks")
+        problems.append(
+            f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
+            "model, ZeRO-3 parameter sharding needs several trainer ranks"
+        )
 
 
 @dataclass(frozen=True)
 class SFTConfig:
     """Supervised fine-tuning: mean NLL of the response tokens only (prompt tokens are masked)."""
+
     steps: int = 200
     batch_size: int = 16
     lr: float = 1e-3
@@ -72,6 +83,7 @@ class SFTConfig:
 @dataclass(frozen=True)
 class RewardModelConfig:
     """Bradley–Terry reward model on the SFT model with a scalar head."""
+
     steps: int = 300
     batch_size: int = 32
     lr: float = 5e-4  # full fine-tune of the SFT model; 2e-3 overfit the tiny models (held-out pairs 0.6 vs 0.8-0.9)
@@ -91,6 +103,7 @@ class RewardModelConfig:
 @dataclass(frozen=True)
 class DPOConfig:
     """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples)."""
+
     steps: int = 100
     batch_size: int = 8
     lr: float = 5e-4
@@ -118,11 +131,15 @@ class DPOConfig:
         if self.loss_type not in DPO_LOSSES:
             p.append(f"DPOConfig.loss_type {self.loss_type!r} is unknown; choose one of {', '.join(DPO_LOSSES)}")
         if not 0 <= self.label_smoothing < 0.5:
-            p.append(f"DPOConfig.label_smoothing must be in [0, 0.5) (got {self.label_smoothing}): "
-                     "at 0.5 chosen and rejected are indistinguishable")
+            p.append(
+                f"DPOConfig.label_smoothing must be in [0, 0.5) (got {self.label_smoothing}): "
+                "at 0.5 chosen and rejected are indistinguishable"
+            )
         if self.online and self.num_samples < 2:
-            p.append(f"DPOConfig.num_samples must be ≥ 2 for online DPO (got {self.num_samples}): "
-                     "a pair needs two completions")
+            p.append(
+                f"DPOConfig.num_samples must be ≥ 2 for online DPO (got {self.num_samples}): "
+                "a pair needs two completions"
+            )
         if p:
             raise ConfigError(p, what="DPO config")
         return self
@@ -131,6 +148,7 @@ class DPOConfig:
 @dataclass(frozen=True)
 class GRPOConfig:
     """GRPO (Shao et al. 2024); defaults follow TRL's GRPOConfig where one exists."""
+
     steps: int = 30
     prompts_per_step: int = 8
     group_size: int = 8
@@ -171,24 +189,42 @@ class GRPOConfig:
         from raypai.alignment.losses import AGGREGATIONS  # as DPOConfig.validate
 
         p = []
-        _positive(self, ("steps", "prompts_per_step", "lr", "inner_iterations", "max_new_tokens", "eval_every",
-                         "checkpoint_every", "rollout_replicas"), p)
+        _positive(
+            self,
+            (
+                "steps",
+                "prompts_per_step",
+                "lr",
+                "inner_iterations",
+                "max_new_tokens",
+                "eval_every",
+                "checkpoint_every",
+                "rollout_replicas",
+            ),
+            p,
+        )
         if self.gpus and self.async_rollout:
-            p.append("GRPOConfig.gpus with async_rollout=True is not supported: async rollout samples while the "
-                     "trainer updates, so the two cannot take turns on one GPU; use async_rollout=False on a GPU")
+            p.append(
+                "GRPOConfig.gpus with async_rollout=True is not supported: async rollout samples while the "
+                "trainer updates, so the two cannot take turns on one GPU; use async_rollout=False on a GPU"
+            )
         for name in ("train_threads", "rollout_threads"):
             if getattr(self, name) < 0:
                 p.append(f"GRPOConfig.{name} must be ≥ 0 (got {getattr(self, name)}); 0 = placement's choice")
         if self.group_size <= 1:
-            p.append(f"GRPOConfig.group_size must be > 1 (got {self.group_size}): with one sample per prompt "
-                     "every advantage is 0")
+            p.append(
+                f"GRPOConfig.group_size must be > 1 (got {self.group_size}): with one sample per prompt "
+                "every advantage is 0"
+            )
         if self.aggregation not in AGGREGATIONS:
             p.append(f"GRPOConfig.aggregation {self.aggregation!r} is unknown; choose one of {', '.join(AGGREGATIONS)}")
         if not 0 < self.clip_eps < 1:
             p.append(f"GRPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
-            p.append(f"GRPOConfig.clip_eps_high ({self.clip_eps_high}) must be ≥ clip_eps ({self.clip_eps}): "
-                     "it only widens the upper side of the trust region")
+            p.append(
+                f"GRPOConfig.clip_eps_high ({self.clip_eps_high}) must be ≥ clip_eps ({self.clip_eps}): "
+                "it only widens the upper side of the trust region"
+            )
         if self.beta < 0:
             p.append(f"GRPOConfig.beta must be ≥ 0 (got {self.beta})")
         if p:
@@ -199,6 +235,7 @@ class GRPOConfig:
 @dataclass(frozen=True)
 class PPOConfig:
     """RLHF PPO (Ouyang et al. 2022): defaults follow InstructGPT-style setups scaled to a tiny model."""
+
     steps: int = 30
     prompts_per_step: int = 16
     lr: float = 5e-4
@@ -227,13 +264,29 @@ class PPOConfig:
 
     def validate(self):
         p = []
-        _positive(self, ("steps", "prompts_per_step", "lr", "critic_lr", "ppo_epochs", "max_new_tokens", "eval_every",
-                         "checkpoint_every", "rollout_replicas", "value_clip"), p)
+        _positive(
+            self,
+            (
+                "steps",
+                "prompts_per_step",
+                "lr",
+                "critic_lr",
+                "ppo_epochs",
+                "max_new_tokens",
+                "eval_every",
+                "checkpoint_every",
+                "rollout_replicas",
+                "value_clip",
+            ),
+            p,
+        )
         if not 0 < self.clip_eps < 1:
             p.append(f"PPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            p.append(f"PPOConfig.gamma and lam must be in [0, 1] (got {self.gamma}, {self.lam}): they are discount "
-                     "factors of GAE")
+            p.append(
+                f"PPOConfig.gamma and lam must be in [0, 1] (got {self.gamma}, {self.lam}): they are discount "
+                "factors of GAE"
+            )
         if self.kl_coef < 0:
             p.append(f"PPOConfig.kl_coef must be ≥ 0 (got {self.kl_coef})")
         if p:
@@ -241,8 +294,14 @@ class PPOConfig:
         return self
 
 
-CONFIGS = {"sft": SFTConfig, "reward_model": RewardModelConfig, "dpo": DPOConfig, "online_dpo": DPOConfig,
-           "grpo": GRPOConfig, "ppo": PPOConfig}
+CONFIGS = {
+    "sft": SFTConfig,
+    "reward_model": RewardModelConfig,
+    "dpo": DPOConfig,
+    "online_dpo": DPOConfig,
+    "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+}
 
 
 def from_dict(algo: str, values: dict):

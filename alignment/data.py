@@ -26,9 +26,9 @@ from raypai.errors import DataError
 
 FORMATS = {
     "sft": "{'messages': [{'role': 'user', 'content': ...}, {'role': 'assistant', 'content': ...}, ...]} or "
-           "{'prompt': ..., 'completion': ...}",
+    "{'prompt': ..., 'completion': ...}",
     "preference": "{'prompt': ..., 'chosen': ..., 'rejected': ...} or {'chosen': [messages], 'rejected': [messages]} "
-                  "sharing their opening turns",
+    "sharing their opening turns",
     "prompt": "{'prompt': ..., <any extra column passed to the rewards>}",
 }
 
@@ -67,19 +67,28 @@ def load_rows(source, *, name: str | None = None) -> list[dict]:
     fs, path = pafs.FileSystem.from_uri(src) if "://" in src else (pafs.LocalFileSystem(), str(Path(src).absolute()))
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
-        raise DataError(f"dataset {src!r} does not exist; pass a JSONL/Parquet file or folder, a raypai dataset "
-                        "artifact, or a datasets.save_to_disk folder")
+        raise DataError(
+            f"dataset {src!r} does not exist; pass a JSONL/Parquet file or folder, a raypai dataset "
+            "artifact, or a datasets.save_to_disk folder"
+        )
     if info.type == pafs.FileType.Directory:
         names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(path))}
         if "dataset_info.json" in names and "state.json" in names:
             return _load_hf(src)
-        files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
-                       if i.type == pafs.FileType.File and i.path.endswith((".jsonl", ".json", ".parquet")))
+        files = sorted(
+            i.path
+            for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            if i.type == pafs.FileType.File and i.path.endswith((".jsonl", ".json", ".parquet"))
+        )
         # a raypai dataset artifact: its rows file only (not the manifest or the store's commit marker)
         if "rows.jsonl" in names and "manifest.json" in names:
             files = [f for f in files if f.endswith("/rows.jsonl")]
-        files = [f for f in files if not Path(f).name.startswith(("_", "."))
-                 and not f.endswith(("manifest.json", "rejected.parquet", "dropped.parquet"))]
+        files = [
+            f
+            for f in files
+            if not Path(f).name.startswith(("_", "."))
+            and not f.endswith(("manifest.json", "rejected.parquet", "dropped.parquet"))
+        ]
         if not files:
             raise DataError(f"dataset folder {src!r} holds no .jsonl/.json/.parquet files")
         return [r for f in files for r in _read_file(fs, f)]
@@ -101,7 +110,9 @@ def _read_file(fs, path: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); every line of a JSONL file is one object") from e
+                raise DataError(
+                    f"{path}:{n} is not valid JSON ({e.msg}); every line of a JSONL file is one object"
+                ) from e
     return rows
 
 
@@ -132,8 +143,10 @@ def _check_field(value, what: str, where: str) -> None:
         return
     if is_conversational(value) and all(isinstance(m["content"], str) for m in value):
         return
-    raise DataError(f"{where}: {what} must be a string or a list of {{'role', 'content'}} messages with string "
-                    f"content (got {type(value).__name__}: {str(value)[:80]!r})")
+    raise DataError(
+        f"{where}: {what} must be a string or a list of {{'role', 'content'}} messages with string "
+        f"content (got {type(value).__name__}: {str(value)[:80]!r})"
+    )
 
 
 def sft_examples(rows: list[dict], name: str = "(rows)") -> list[SFTExample]:
@@ -173,14 +186,18 @@ def preference_examples(rows: list[dict], name: str = "(rows)") -> list[Preferen
             continue
         c, rj = r["chosen"], r["rejected"]
         if isinstance(c, str) or isinstance(rj, str):
-            raise DataError(f"{where}: without a `prompt` column, chosen and rejected must be conversations that "
-                            "share their opening turns (the implicit prompt)")
+            raise DataError(
+                f"{where}: without a `prompt` column, chosen and rejected must be conversations that "
+                "share their opening turns (the implicit prompt)"
+            )
         k = 0
         while k < min(len(c), len(rj)) and c[k] == rj[k]:
             k += 1
         if k == 0 or k == len(c) or k == len(rj):
-            raise DataError(f"{where}: chosen and rejected share no opening turns (or one contains the other); add a "
-                            "`prompt` column")
+            raise DataError(
+                f"{where}: chosen and rejected share no opening turns (or one contains the other); add a "
+                "`prompt` column"
+            )
         out.append(PreferenceExample(c[:k], c[k:], rj[k:]))
     return out
 
@@ -196,8 +213,10 @@ def prompt_examples(rows: list[dict], name: str = "(rows)") -> list[PromptExampl
     keys = set(out[0].extras)
     for i, e in enumerate(out):
         if set(e.extras) != keys:
-            raise DataError(f"{name} row {i} has extra columns {sorted(e.extras)}, row 0 has {sorted(keys)}: every row "
-                            "needs the same columns (the rewards receive each as one list)")
+            raise DataError(
+                f"{name} row {i} has extra columns {sorted(e.extras)}, row 0 has {sorted(keys)}: every row "
+                "needs the same columns (the rewards receive each as one list)"
+            )
     return out
 
 
@@ -232,5 +251,7 @@ KINDS = {"sft": sft_examples, "preference": preference_examples, "prompt": promp
 
 def load(source, kind: str, *, name: str | None = None) -> list:
     """Load and validate: `kind` is 'sft', 'preference' or 'prompt'."""
-    return KINDS[kind](load_rows(source, name=name), name or str(getattr(source, "name", None) or
-                                                                  ("(rows)" if isinstance(source, list) else source)))
+    return KINDS[kind](
+        load_rows(source, name=name),
+        name or str(getattr(source, "name", None) or ("(rows)" if isinstance(source, list) else source)),
+    )

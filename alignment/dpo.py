@@ -37,7 +37,7 @@ def _seq_lp(actor, batch, chunk: int = 64):
     import torch
 
     B = batch["input_ids"].shape[0]
-    parts = [{k: v[i:i + chunk] for k, v in batch.items()} for i in range(0, B, chunk)]
+    parts = [{k: v[i : i + chunk] for k, v in batch.items()} for i in range(0, B, chunk)]
     lps = ray.get([actor.logprobs.remote(p) for p in parts])
     return torch.cat([sequence_logprob(lp, p["response_mask"]) for lp, p in zip(lps, parts)])
 
@@ -56,9 +56,20 @@ STEPS_PER_CALL = 4
 CALLS_IN_FLIGHT = 2
 
 
-def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DPOConfig, *,
-            run_name: str = "dpo", prompts: list | None = None, held_out: list | None = None,
-            rewards=None, logger=None, lineage: dict | None = None) -> dict:
+def run_dpo(
+    model_dir: str,
+    out_dir: str,
+    pairs: list,
+    eval_pairs: list,
+    cfg: DPOConfig,
+    *,
+    run_name: str = "dpo",
+    prompts: list | None = None,
+    held_out: list | None = None,
+    rewards=None,
+    logger=None,
+    lineage: dict | None = None,
+) -> dict:
     """Offline DPO on `pairs` (PreferenceExample) when `cfg.online` is False; online DPO on `prompts`
     (PromptExample, ranked by `rewards`) otherwise. Preference accuracy and margin are measured on
     `eval_pairs`; online runs also report the held-out reward of greedy completions on `held_out`."""
@@ -67,16 +78,23 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     fmt, trunc = format_and_limit(model_dir, cfg)
     reward_fns = resolve(rewards)
     if cfg.online and not prompts:
-        raise ConfigError(["online DPO needs `prompts` to sample from (got none): pass prompt examples, e.g. "
-                           "raypai.alignment.data.load('prompts.jsonl', 'prompt')"], what="online DPO inputs")
+        raise ConfigError(
+            [
+                "online DPO needs `prompts` to sample from (got none): pass prompt examples, e.g. "
+                "raypai.alignment.data.load('prompts.jsonl', 'prompt')"
+            ],
+            what="online DPO inputs",
+        )
     if cfg.online and not reward_fns:
-        raise ConfigError(["online DPO ranks its samples with rewards: pass rewards=['my_pkg.rewards:fn']"],
-                          what="online DPO inputs")
+        raise ConfigError(
+            ["online DPO ranks its samples with rewards: pass rewards=['my_pkg.rewards:fn']"], what="online DPO inputs"
+        )
     if not cfg.online and not pairs:
         raise ConfigError(["DPO needs preference pairs (got none)"], what="DPO inputs")
     if not eval_pairs:
-        raise ConfigError(["DPO needs held-out preference pairs to measure preference accuracy (got none)"],
-                          what="DPO inputs")
+        raise ConfigError(
+            ["DPO needs held-out preference pairs to measure preference accuracy (got none)"], what="DPO inputs"
+        )
     if cfg.online:
         check_prompts(fmt, prompts, trunc, cfg.max_new_tokens, "training prompt")
     ev_c, ev_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")  # bad pairs fail before any actor starts
@@ -84,7 +102,10 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
         all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
     pad_id = fmt.tok.pad_token_id
     g = cfg.gpus  # on a GPU: the trainer half of it, the reference (and online, the rollout) the rest
-    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2), "reference": RoleSpec(cpus=0.5, gpus=g / 4 if cfg.online else g / 2)}
+    specs = {
+        "policy": RoleSpec(cpus=1, gpus=g / 2),
+        "reference": RoleSpec(cpus=0.5, gpus=g / 4 if cfg.online else g / 2),
+    }
     if cfg.online:
         specs.update(rollout=RoleSpec(cpus=0.5, gpus=g / 4), reward=RoleSpec(cpus=0.25))
     device = "cuda" if g else "cpu"
@@ -94,13 +115,31 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
     threads = max(1, round(sum(r.cpus for r in specs.values())))
     try:
         # online: sampling and updates take turns, so the replica reads the trainer's own parameters
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads,
-                               live_weights=cfg.online and cfg.rollout_engine in LIVE_ENGINES, device=device,
-                               sync_dtype="bfloat16" if g else None)
+        [policy] = place.place(
+            "policy",
+            PolicyTrainer,
+            model_dir,
+            cfg.lr,
+            cfg.zero_stage,
+            cfg.seed,
+            threads=threads,
+            live_weights=cfg.online and cfg.rollout_engine in LIVE_ENGINES,
+            device=device,
+            sync_dtype="bfloat16" if g else None,
+        )
         [reference] = place.place("reference", Reference, model_dir, threads=threads, device=device)
         if cfg.online:  # every role starts now, together (their processes start in parallel)
-            [rollout] = place.place("rollout", Rollout, model_dir, cfg.seed, threads=threads, engine=cfg.rollout_engine,
-                                    compiled=cfg.compile_rollout, device=device, gpu_share=specs["rollout"].gpus)
+            [rollout] = place.place(
+                "rollout",
+                Rollout,
+                model_dir,
+                cfg.seed,
+                threads=threads,
+                engine=cfg.rollout_engine,
+                compiled=cfg.compile_rollout,
+                device=device,
+                gpu_share=specs["rollout"].gpus,
+            )
             [reward] = place.place("reward", Reward, reward_fns)
         ev_ref = ChosenRejected(_seq_lp(reference, ev_c), _seq_lp(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
@@ -125,8 +164,13 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
             dpo_args = {"beta": cfg.beta, "loss_type": cfg.loss_type, "label_smoothing": cfg.label_smoothing}
             for step in range(1, cfg.steps + 1):
                 with asleep([policy], on_gpu=bool(g)) as offload:  # on a GPU the trainer sleeps while sampling
-                    now = launch([rollout], rng.sample(prompts, min(cfg.batch_size, len(prompts))), cfg.num_samples,
-                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                    now = launch(
+                        [rollout],
+                        rng.sample(prompts, min(cfg.batch_size, len(prompts))),
+                        cfg.num_samples,
+                        max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature,
+                    )
                     if g:
                         ray.wait(now.refs, num_returns=len(now.refs))
                 scored = score_launched(reward, now)
@@ -148,26 +192,40 @@ def run_dpo(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: DP
             # CALLS_IN_FLIGHT calls queued on the policy actor: the driver's round trip and Ray's
             # per-call work leave the critical path
             steps = list(range(1, cfg.steps + 1))
-            calls = [steps[:1]] + [steps[i:i + STEPS_PER_CALL] for i in range(1, len(steps), STEPS_PER_CALL)]
+            calls = [steps[:1]] + [steps[i : i + STEPS_PER_CALL] for i in range(1, len(steps), STEPS_PER_CALL)]
             in_flight: deque = deque()
             for call in calls:
                 idx = [[rng.randrange(len(pairs)) for _ in range(cfg.batch_size)] for _ in call]
-                in_flight.append((call, policy.dpo_steps_held.remote(idx, cfg.beta, cfg.loss_type,
-                                                                     cfg.label_smoothing)))
+                in_flight.append(
+                    (call, policy.dpo_steps_held.remote(idx, cfg.beta, cfg.loss_type, cfg.label_smoothing))
+                )
                 while len(in_flight) >= CALLS_IN_FLIGHT or (in_flight and call is calls[-1]):
                     done, ref_m = in_flight.popleft()
                     for step, m in zip(done, ray.get(ref_m)):
                         log(step, m)
         after = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
-        metrics = {"preference_accuracy_before": before["preference_accuracy"],
-                   "preference_accuracy_after": after["preference_accuracy"],
-                   "margin_before": before["margin"], "margin_after": after["margin"]}
+        metrics = {
+            "preference_accuracy_before": before["preference_accuracy"],
+            "preference_accuracy_after": after["preference_accuracy"],
+            "margin_before": before["margin"],
+            "margin_after": after["margin"],
+        }
         metrics["truncated"] = trunc.truncated
         if cfg.online and held:
-            metrics.update(eval_reward_before=eval_before,
-                           eval_reward_after=reward_with(rollout, reward, held, cfg.max_new_tokens))
-        ray.get(policy.export.remote(out_dir, {"algorithm": "online_dpo" if cfg.online else "dpo",
-                                               "config": asdict(cfg), "metrics": metrics, "lineage": lineage or {}}))
+            metrics.update(
+                eval_reward_before=eval_before, eval_reward_after=reward_with(rollout, reward, held, cfg.max_new_tokens)
+            )
+        ray.get(
+            policy.export.remote(
+                out_dir,
+                {
+                    "algorithm": "online_dpo" if cfg.online else "dpo",
+                    "config": asdict(cfg),
+                    "metrics": metrics,
+                    "lineage": lineage or {},
+                },
+            )
+        )
     finally:
         place.shutdown()
     if logger is not None:

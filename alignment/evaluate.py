@@ -21,8 +21,9 @@ METRICS = {"held_out_reward": "higher", "response_nll": "lower", "rm_win_rate": 
 
 
 def greedy_completions_with(rollout, prompts: list, max_new_tokens: int) -> list[str]:
-    out = ray.get(rollout.generate.remote([p.prompt for p in prompts], n=1, max_new_tokens=max_new_tokens,
-                                          temperature=0.0))
+    out = ray.get(
+        rollout.generate.remote([p.prompt for p in prompts], n=1, max_new_tokens=max_new_tokens, temperature=0.0)
+    )
     return out["completions"]
 
 
@@ -94,7 +95,7 @@ def perplexity(model_dir: str | Path, shards_dir: str | Path, max_blocks: int = 
     total, n = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(x), 8):
-            b = x[i:i + 8]
+            b = x[i : i + 8]
             total += model(input_ids=b, labels=b).loss.item() * len(b)
             n += len(b)
     return math.exp(total / n)

@@ -24,8 +24,19 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length,
-                                    score_launched, scores_of, throughput, to_tensor)
+from raypai.alignment._loop import (
+    Sections,
+    asleep,
+    collect,
+    end_step,
+    launch,
+    mean_of,
+    response_length,
+    score_launched,
+    scores_of,
+    throughput,
+    to_tensor,
+)
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -39,9 +50,20 @@ from raypai.errors import ConfigError
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
 
 
-def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRPOConfig, *,
-             run_name: str = "grpo", rewards=None, reward_model_dir: str | None = None,
-             checkpoint_dir: str | None = None, logger=None, lineage: dict | None = None) -> dict:
+def run_grpo(
+    model_dir: str,
+    out_dir: str,
+    train: list,
+    held_out: list,
+    cfg: GRPOConfig,
+    *,
+    run_name: str = "grpo",
+    rewards=None,
+    reward_model_dir: str | None = None,
+    checkpoint_dir: str | None = None,
+    logger=None,
+    lineage: dict | None = None,
+) -> dict:
     """`train`/`held_out`: PromptExample lists (extra columns reach the rewards). `rewards`: callables,
     'mod:fn[=weight]' import paths or (fn, weight) pairs; a reward model is scored in with weight
     `cfg.reward_model_weight` when `reward_model_dir` is given. Returns the summary (held-out reward
@@ -52,11 +74,17 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     reward_fns = resolve(rewards)
     use_rm = bool(reward_model_dir and cfg.reward_model_weight)
     if not reward_fns and not use_rm:
-        raise ConfigError(["GRPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
-                           "model with reward_model_weight > 0"], what="GRPO inputs")
+        raise ConfigError(
+            [
+                "GRPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
+                "model with reward_model_weight > 0"
+            ],
+            what="GRPO inputs",
+        )
     if not train or not held_out:
-        raise ConfigError([f"GRPO needs training and held-out prompts (got {len(train)} and {len(held_out)})"],
-                          what="GRPO inputs")
+        raise ConfigError(
+            [f"GRPO needs training and held-out prompts (got {len(train)} and {len(held_out)})"], what="GRPO inputs"
+        )
     fmt, trunc = format_and_limit(model_dir, cfg)
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
@@ -65,35 +93,55 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
     # queried, beta > 0) the rest; the reward stays on CPUs
     g = cfg.gpus
     # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
-    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2),
-             "rollout": RoleSpec(cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas,
-                                 replicas=cfg.rollout_replicas),
-             **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta else {}),
-             "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    specs = {
+        "policy": RoleSpec(cpus=1, gpus=g / 2),
+        "rollout": RoleSpec(
+            cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas, replicas=cfg.rollout_replicas
+        ),
+        **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta else {}),
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
+    }
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
     # CPUs (several rollout replicas split the batch and those CPUs between them); async: rollout and
     # update overlap, each in its own bundle with one thread
     colocate = () if cfg.async_rollout else (tuple(specs),)
     # the bundle's CPUs, but no more threads than the machine has cores (oversubscribed threads only wait)
-    shared = max(1, min(round(sum(r.cpus * r.replicas for r in specs.values())), os.cpu_count() or 1)) if colocate else 1
+    shared = (
+        max(1, min(round(sum(r.cpus * r.replicas for r in specs.values())), os.cpu_count() or 1)) if colocate else 1
+    )
     place = Placement(run_name, specs, colocate=colocate)
     try:
         # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
         # (on a GPU the replicas take each update as a bf16 copy through host shared memory)
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               threads=cfg.train_threads or shared,
-                               live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
-                               device=device["policy"], sync_dtype="bfloat16" if g else None)
-        rollouts = place.place("rollout", Rollout, model_dir,
-                               threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
-                               engine=cfg.rollout_engine, compiled=cfg.compile_rollout, device=device["rollout"],
-                               gpu_share=specs["rollout"].gpus,
-                               per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
+        [policy] = place.place(
+            "policy",
+            PolicyTrainer,
+            model_dir,
+            cfg.lr,
+            cfg.zero_stage,
+            cfg.seed,
+            threads=cfg.train_threads or shared,
+            live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
+            device=device["policy"],
+            sync_dtype="bfloat16" if g else None,
+        )
+        rollouts = place.place(
+            "rollout",
+            Rollout,
+            model_dir,
+            threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
+            engine=cfg.rollout_engine,
+            compiled=cfg.compile_rollout,
+            device=device["rollout"],
+            gpu_share=specs["rollout"].gpus,
+            per_replica=lambda i: {"seed": cfg.seed + i},
+        )  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
-        [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
-                               cfg.reward_model_weight)
+        [reward] = place.place(
+            "reward", Reward, reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
+        )
         rng = random.Random(cfg.seed)
         start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts) if checkpoint_dir else 0
         if start:
@@ -118,30 +166,58 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 sizes = wait_loads(loads_t)
             now = time.perf_counter()
             seconds, done_at = now - done_at, now
-            return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-                    "policy_loss": m["loss"], "kl": m["kl"], "clip_fraction": m["clip_fraction"],
-                    "entropy": m["entropy"], "grad_norm": m["grad_norm"], "update_seconds": m["update_seconds"],
-                    "response_length": response_length(s.batch), "sync_bytes": sizes[0] if sizes else 0,
-                    "sync_seconds": t.seconds["time_sync"], **t.seconds, **offload, "samples": len(s.completions),
-                    # measured: trainer updates between the weights that sampled this batch and the update
-                    "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
-                    "step_seconds": seconds, "samples_per_s": len(s.completions) / seconds}
+            return {
+                "reward_mean": rewards.mean().item(),
+                "reward_std": rewards.std().item(),
+                "policy_loss": m["loss"],
+                "kl": m["kl"],
+                "clip_fraction": m["clip_fraction"],
+                "entropy": m["entropy"],
+                "grad_norm": m["grad_norm"],
+                "update_seconds": m["update_seconds"],
+                "response_length": response_length(s.batch),
+                "sync_bytes": sizes[0] if sizes else 0,
+                "sync_seconds": t.seconds["time_sync"],
+                **t.seconds,
+                **offload,
+                "samples": len(s.completions),
+                # measured: trainer updates between the weights that sampled this batch and the update
+                "policy_lag_steps": (m["policy_version"] - s.weights_version) // cfg.inner_iterations,
+                "step_seconds": seconds,
+                "samples_per_s": len(s.completions) / seconds,
+            }
 
         def checkpoint(step: int) -> float:
             return save_run(checkpoint_dir, step=step, rng=rng, policy=policy, rollouts=rollouts)
 
         def record(step: int, metrics: dict) -> None:
             nonlocal done_at
-            end_step("grpo", step, metrics, steps=cfg.steps, eval_every=cfg.eval_every,
-                     evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-                     checkpoint_every=cfg.checkpoint_every, checkpoint=checkpoint if checkpoint_dir else None,
-                     logger=logger, history=history)
+            end_step(
+                "grpo",
+                step,
+                metrics,
+                steps=cfg.steps,
+                eval_every=cfg.eval_every,
+                evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+                checkpoint_every=cfg.checkpoint_every,
+                checkpoint=checkpoint if checkpoint_dir else None,
+                logger=logger,
+                history=history,
+            )
             done_at = time.perf_counter()  # evaluation, checkpoint and logging are not a step's time
 
         # what the update needs besides the samples (`PolicyTrainer.grpo_step_on`), the same every step
-        batch_args = {"pad_id": pad_id, "group_size": cfg.group_size,
-                      "step": {"clip_eps": cfg.clip_eps, "clip_eps_high": cfg.clip_eps_high, "beta": cfg.beta,
-                               "aggregation": cfg.aggregation, "max_len": cfg.max_new_tokens}}
+        batch_args = {
+            "pad_id": pad_id,
+            "group_size": cfg.group_size,
+            "step": {
+                "clip_eps": cfg.clip_eps,
+                "clip_eps_high": cfg.clip_eps_high,
+                "beta": cfg.beta,
+                "aggregation": cfg.aggregation,
+                "max_len": cfg.max_new_tokens,
+            },
+        }
         for step in range(start + 1, cfg.steps + 1):
             t, offload = Sections(), {}
             s = None
@@ -149,8 +225,9 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
                 if cfg.async_rollout:
                     now = pending
                     s = collect(now, pad_id=pad_id)
-                    pending = (launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen)
-                               if step < cfg.steps else None)
+                    pending = (
+                        launch(rollouts, pick(), cfg.group_size, logprobs=True, **gen) if step < cfg.steps else None
+                    )
                 else:  # on a GPU the trainer sleeps while the replicas sample, and wakes when they are done
                     with asleep([policy], on_gpu=bool(g)) as offload:
                         now = launch(rollouts, pick(), cfg.group_size, **gen)
@@ -194,19 +271,26 @@ def run_grpo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: GRP
             if queued is not None:
                 record(queued[0], finish(queued))
                 queued = None
-            if cfg.async_rollout and not (step == cfg.steps or step % cfg.eval_every == 0
-                                          or (checkpoint_dir and step % cfg.checkpoint_every == 0)):
+            if cfg.async_rollout and not (
+                step == cfg.steps or step % cfg.eval_every == 0 or (checkpoint_dir and step % cfg.checkpoint_every == 0)
+            ):
                 queued = this
             else:
                 record(step, finish(this))
         # the last step was waited for, its weight loads included: every replica has the final weights
-        summary = {"eval_reward_before": eval_before,
-                   "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-                   "steps_run": len(history), "samples_per_s": throughput(history),
-                   **mean_of(history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)),
-                   "sync_bytes": history[-1]["sync_bytes"] if history else 0}
-        ray.get(policy.export.remote(out_dir, {"algorithm": "grpo", "config": asdict(cfg), "metrics": summary,
-                                               "lineage": lineage or {}}))
+        summary = {
+            "eval_reward_before": eval_before,
+            "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+            "steps_run": len(history),
+            "samples_per_s": throughput(history),
+            **mean_of(history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)),
+            "sync_bytes": history[-1]["sync_bytes"] if history else 0,
+        }
+        ray.get(
+            policy.export.remote(
+                out_dir, {"algorithm": "grpo", "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
+            )
+        )
     finally:
         place.shutdown()
     if logger is not None:

@@ -66,8 +66,7 @@ class Slept:
     """A model and optimizer asleep on `to`. `bytes`: bytes moved; `seconds`: the sleep's wall time,
     devices synchronised."""
 
-    def __init__(self, model: torch.nn.Module, storages: list[_Storage], hooks: list, *, bytes: int,
-                 seconds: float):
+    def __init__(self, model: torch.nn.Module, storages: list[_Storage], hooks: list, *, bytes: int, seconds: float):
         self.bytes = bytes
         self.seconds = seconds
         self._model = model
@@ -78,8 +77,10 @@ class Slept:
     def wake(self) -> float:
         """Put every moved tensor back on the device it came from; returns the wall time in seconds."""
         if self._awake:
-            raise TrainError(f"{type(self._model).__name__} was already woken from this sleep: wake() is called "
-                             f"once per sleep(); sleep the model again for a new Slept to wake")
+            raise TrainError(
+                f"{type(self._model).__name__} was already woken from this sleep: wake() is called "
+                f"once per sleep(); sleep the model again for a new Slept to wake"
+            )
         start = time.perf_counter()
         for s in self._storages:
             device = torch.empty(s.host.numel(), dtype=torch.uint8, device=s.source)
@@ -93,8 +94,7 @@ class Slept:
         return time.perf_counter() - start
 
 
-def sleep(model: torch.nn.Module, optimizer=None, *, to: str | torch.device = "cpu",
-          pin: bool | None = None) -> Slept:
+def sleep(model: torch.nn.Module, optimizer=None, *, to: str | torch.device = "cpu", pin: bool | None = None) -> Slept:
     """Move `model`'s parameters, gradients and buffers and `optimizer`'s state to `to`, free the
     device memory they held, and return the `Slept` whose `wake()` moves them back.
 
@@ -102,8 +102,10 @@ def sleep(model: torch.nn.Module, optimizer=None, *, to: str | torch.device = "c
     `pin`: pin the host copies; None pins when the tensors come from CUDA and `to` is the CPU."""
     name = type(model).__name__
     if getattr(model, _ASLEEP, None) is not None:
-        raise TrainError(f"{name} is already asleep (sleep() moved its tensors off their device): call wake() "
-                         f"on the Slept that sleep() returned before sleeping it again")
+        raise TrainError(
+            f"{name} is already asleep (sleep() moved its tensors off their device): call wake() "
+            f"on the Slept that sleep() returned before sleeping it again"
+        )
     to = torch.device(to)
     if pin and to.type != "cpu":
         raise TrainError(f"sleep({name}, pin=True) pins host memory, so `to` must be 'cpu' (got {str(to)!r})")
@@ -137,14 +139,15 @@ def sleep(model: torch.nn.Module, optimizer=None, *, to: str | torch.device = "c
         torch.cuda.empty_cache()  # hand the freed blocks back to the device, for the other role
 
     def refuse(*_):
-        raise TrainError(f"{name} is asleep (sleep() moved its tensors to {to}): call wake() on the Slept that "
-                         f"sleep() returned before this role's next phase")
+        raise TrainError(
+            f"{name} is asleep (sleep() moved its tensors to {to}): call wake() on the Slept that "
+            f"sleep() returned before this role's next phase"
+        )
 
     hooks = [model.register_forward_pre_hook(refuse)]
     if opt is not None and hasattr(opt, "register_step_pre_hook"):
         hooks.append(opt.register_step_pre_hook(refuse))
-    slept = Slept(model, moved, hooks, bytes=sum(s.host.numel() for s in moved),
-                  seconds=time.perf_counter() - start)
+    slept = Slept(model, moved, hooks, bytes=sum(s.host.numel() for s in moved), seconds=time.perf_counter() - start)
     setattr(model, _ASLEEP, slept)
     return slept
 
@@ -156,8 +159,10 @@ def _torch_optimizer(optimizer):
     for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
         if isinstance(getattr(candidate, "state", None), Mapping):
             return candidate
-    raise TrainError(f"sleep(optimizer=...) needs a torch optimizer or an object wrapping one as `.optimizer`; "
-                     f"{type(optimizer).__name__} has neither a `.state` dict nor `.optimizer.state`")
+    raise TrainError(
+        f"sleep(optimizer=...) needs a torch optimizer or an object wrapping one as `.optimizer`; "
+        f"{type(optimizer).__name__} has neither a `.state` dict nor `.optimizer.state`"
+    )
 
 
 def _named_tensors(model: torch.nn.Module, opt) -> list[tuple[str, torch.Tensor]]:
@@ -165,16 +170,23 @@ def _named_tensors(model: torch.nn.Module, opt) -> list[tuple[str, torch.Tensor]
     the pinned host buffers can be found again."""
     params = [(f"param:{n}", p) for n, p in model.named_parameters()]
     if opt is not None:  # parameters the optimizer owns beyond the model's, e.g. fp32 master copies
-        params += [(f"param:#{g}.{i}", p) for g, group in enumerate(getattr(opt, "param_groups", []))
-                   for i, p in enumerate(group["params"])]
+        params += [
+            (f"param:#{g}.{i}", p)
+            for g, group in enumerate(getattr(opt, "param_groups", []))
+            for i, p in enumerate(group["params"])
+        ]
     names = {}
     for key, p in params:
         names.setdefault(id(p), key.removeprefix("param:"))
     out = params + [(f"grad:{key}", p.grad) for key, p in params if p.grad is not None]
     out += [(f"buffer:{n}", b) for n, b in model.named_buffers()]
     if opt is not None:
-        out += [(f"state:{names.get(id(p), f'#{i}')}:{k}", v) for i, (p, state) in enumerate(opt.state.items())
-                for k, v in state.items() if isinstance(v, torch.Tensor)]
+        out += [
+            (f"state:{names.get(id(p), f'#{i}')}:{k}", v)
+            for i, (p, state) in enumerate(opt.state.items())
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        ]
     seen: set[int] = set()
     return [(key, t) for key, t in out if not (id(t) in seen or seen.add(id(t)))]
 
@@ -193,7 +205,8 @@ def _rebind(views: list[_View], storage: torch.Tensor) -> None:
     """Point each tensor's data at the same place in `storage` ((nbytes,) uint8) it had in the old one."""
     for v in views:
         v.tensor.data = torch.empty(0, dtype=v.tensor.dtype, device=storage.device).set_(
-            storage.untyped_storage(), v.offset, v.size, v.stride)
+            storage.untyped_storage(), v.offset, v.size, v.stride
+        )
 
 
 def _on(device: torch.device, to: torch.device) -> bool:

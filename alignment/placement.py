@@ -26,17 +26,24 @@ class RoleSpec:
 def _check_fits(run_name: str, bundles: list[dict]) -> None:
     """Fail now, naming the shortfall, instead of waiting forever for a placement group that cannot fit."""
     have = ray.cluster_resources()
-    problems = [f"{res}: the roles of {run_name!r} need {sum(b.get(res, 0) for b in bundles):g}, the cluster has "
-                f"{have.get(res, 0):g}" for res in ("CPU", "GPU")
-                if sum(b.get(res, 0) for b in bundles) > have.get(res, 0)]
+    problems = [
+        f"{res}: the roles of {run_name!r} need {sum(b.get(res, 0) for b in bundles):g}, the cluster has "
+        f"{have.get(res, 0):g}"
+        for res in ("CPU", "GPU")
+        if sum(b.get(res, 0) for b in bundles) > have.get(res, 0)
+    ]
     if problems:
         fixes = []
         if any(p.startswith("CPU") for p in problems):
-            fixes.append("start Ray with more logical CPUs (RAYPAI_RAY_NUM_CPUS=8, or raypai.runtime.ensure_ray(settings, "
-                         "num_cpus=8) from Python), or give the roles smaller RoleSpec.cpus / colocate them")
+            fixes.append(
+                "start Ray with more logical CPUs (RAYPAI_RAY_NUM_CPUS=8, or raypai.runtime.ensure_ray(settings, "
+                "num_cpus=8) from Python), or give the roles smaller RoleSpec.cpus / colocate them"
+            )
         if any(p.startswith("GPU") for p in problems):
-            fixes.append("run on a Ray cluster with that many GPUs, or set gpus=0 in the algorithm's config "
-                         "to run every role on CPUs")
+            fixes.append(
+                "run on a Ray cluster with that many GPUs, or set gpus=0 in the algorithm's config "
+                "to run every role on CPUs"
+            )
         raise ConfigError(problems + fixes, what="role placement")
 
 
@@ -60,8 +67,12 @@ class Placement:
     """`place(name, cls, spec, *args)` → actor handles named `<run>/<role>-<i>` in the dashboard."""
 
     def __init__(self, run_name: str, specs: dict[str, RoleSpec], colocate: tuple[tuple[str, ...], ...] = ()):
-        bad = [f"role {r!r} asks for {spec.gpus:g} GPUs: a role runs in one process on one device, so give it at "
-               "most 1 (a fraction shares one GPU)" for r, spec in specs.items() if not 0 <= spec.gpus <= 1]
+        bad = [
+            f"role {r!r} asks for {spec.gpus:g} GPUs: a role runs in one process on one device, so give it at "
+            "most 1 (a fraction shares one GPU)"
+            for r, spec in specs.items()
+            if not 0 <= spec.gpus <= 1
+        ]
         if bad:
             raise ConfigError(bad, what="role placement")
         self.run_name = run_name
@@ -70,8 +81,11 @@ class Placement:
         grouped = {r for g in colocate for r in g}
         for g in colocate:
             idx = len(bundles)
-            bundles.append(_resources(sum(specs[r].cpus * specs[r].replicas for r in g),
-                                      sum(specs[r].gpus * specs[r].replicas for r in g)))
+            bundles.append(
+                _resources(
+                    sum(specs[r].cpus * specs[r].replicas for r in g), sum(specs[r].gpus * specs[r].replicas for r in g)
+                )
+            )
             for r in g:
                 self.group_of[r] = [idx] * specs[r].replicas
         for role, spec in specs.items():
@@ -95,10 +109,16 @@ class Placement:
         spec = self.specs[role]
         handles = []
         for i, bundle in enumerate(self.group_of[role]):
-            actor = ray.remote(cls).options(
-                name=f"{self.run_name}/{role}-{i}", num_cpus=spec.cpus, num_gpus=spec.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            ).remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))
+            actor = (
+                ray.remote(cls)
+                .options(
+                    name=f"{self.run_name}/{role}-{i}",
+                    num_cpus=spec.cpus,
+                    num_gpus=spec.gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+                )
+                .remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))
+            )
             actor.__ray_call__.remote(_install_wire)  # so do the role's replies (runs before any later call)
             handles.append(actor)
         self.actors += handles

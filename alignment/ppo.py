@@ -19,8 +19,19 @@ from dataclasses import asdict
 
 import ray
 
-from raypai.alignment._loop import (Sections, asleep, collect, end_step, launch, mean_of, response_length, score_launched,
-                                    scores_of, throughput, to_tensor)
+from raypai.alignment._loop import (
+    Sections,
+    asleep,
+    collect,
+    end_step,
+    launch,
+    mean_of,
+    response_length,
+    score_launched,
+    scores_of,
+    throughput,
+    to_tensor,
+)
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
@@ -35,9 +46,20 @@ from raypai.errors import ConfigError
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
 
 
-def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOConfig, *,
-            run_name: str = "ppo", rewards=None, reward_model_dir: str | None = None,
-            checkpoint_dir: str | None = None, logger=None, lineage: dict | None = None) -> dict:
+def run_ppo(
+    model_dir: str,
+    out_dir: str,
+    train: list,
+    held_out: list,
+    cfg: PPOConfig,
+    *,
+    run_name: str = "ppo",
+    rewards=None,
+    reward_model_dir: str | None = None,
+    checkpoint_dir: str | None = None,
+    logger=None,
+    lineage: dict | None = None,
+) -> dict:
     """`train`/`held_out`: PromptExample lists; `rewards` as in run_grpo. Returns the summary
     (held-out reward before/after, mean losses and time split); the aligned policy is written to
     `out_dir`. The critic starts from the reward model when given."""
@@ -46,35 +68,63 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
     reward_fns = resolve(rewards)
     use_rm = bool(reward_model_dir and cfg.reward_model_weight)
     if not reward_fns and not use_rm:
-        raise ConfigError(["PPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
-                           "model with reward_model_weight > 0"], what="PPO inputs")
+        raise ConfigError(
+            [
+                "PPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
+                "model with reward_model_weight > 0"
+            ],
+            what="PPO inputs",
+        )
     fmt, trunc = format_and_limit(model_dir, cfg)
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
     pad_id = fmt.tok.pad_token_id
     g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
-    specs = {"policy": RoleSpec(cpus=1, gpus=0.4 * g), "critic": RoleSpec(cpus=0.5, gpus=0.2 * g),
-             "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
-             "reference": RoleSpec(cpus=0.5, gpus=0.2 * g), "reward": RoleSpec(cpus=0.5 if use_rm else 0.25)}
+    specs = {
+        "policy": RoleSpec(cpus=1, gpus=0.4 * g),
+        "critic": RoleSpec(cpus=0.5, gpus=0.2 * g),
+        "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
+        "reference": RoleSpec(cpus=0.5, gpus=0.2 * g),
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
+    }
     device = "cuda" if g else "cpu"
     # the roles take turns on one GPU, so they share a bundle there; on CPUs each keeps its own
     place = Placement(run_name, specs, colocate=(tuple(specs),) if g else ())
     try:
         # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
         # on a GPU, a bf16 copy through host shared memory)
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               live_weights=cfg.rollout_engine in LIVE_ENGINES, device=device,
-                               sync_dtype="bfloat16" if g else None)
-        [critic] = place.place("critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed,
-                               device=device)
-        rollouts = place.place("rollout", Rollout, model_dir, engine=cfg.rollout_engine, compiled=cfg.compile_rollout,
-                               device=device, gpu_share=specs["rollout"].gpus,
-                               per_replica=lambda i: {"seed": cfg.seed + i})  # replicas draw different samples
+        [policy] = place.place(
+            "policy",
+            PolicyTrainer,
+            model_dir,
+            cfg.lr,
+            cfg.zero_stage,
+            cfg.seed,
+            live_weights=cfg.rollout_engine in LIVE_ENGINES,
+            device=device,
+            sync_dtype="bfloat16" if g else None,
+        )
+        [critic] = place.place(
+            "critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed, device=device
+        )
+        rollouts = place.place(
+            "rollout",
+            Rollout,
+            model_dir,
+            engine=cfg.rollout_engine,
+            compiled=cfg.compile_rollout,
+            device=device,
+            gpu_share=specs["rollout"].gpus,
+            per_replica=lambda i: {"seed": cfg.seed + i},
+        )  # replicas draw different samples
         [reference] = place.place("reference", Reference, model_dir, device=device)
-        [reward] = place.place("reward", Reward, reward_fns, reward_model_dir if use_rm else None,
-                               cfg.reward_model_weight)
+        [reward] = place.place(
+            "reward", Reward, reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
+        )
         rng = random.Random(cfg.seed)
-        start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic) if checkpoint_dir else 0
+        start = (
+            load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic) if checkpoint_dir else 0
+        )
         if start:
             sync_weights(policy, rollouts)
             print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
@@ -84,8 +134,14 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
             with asleep([policy, critic], on_gpu=bool(g)) as offload:
-                now = launch(rollouts, rng.sample(train, min(cfg.prompts_per_step, len(train))), 1,
-                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+                now = launch(
+                    rollouts,
+                    rng.sample(train, min(cfg.prompts_per_step, len(train))),
+                    1,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                )
                 if g:  # on a GPU the trainers sleep until the replicas are done
                     with t("time_rollout"):
                         ray.wait(now.refs, num_returns=len(now.refs))
@@ -95,12 +151,19 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
             # computes the step's advantages and returns itself (`losses.ppo_targets`)
             on = {"rows": now.rows, "pad_id": pad_id}
             scored = score_launched(reward, now)
-            old_lp, ref_lp, values = (rollouts[0].logprobs_on.remote(on, *now.refs),
-                                      reference.logprobs_on.remote(on, *now.refs), critic.values_on.remote(on, *now.refs))
+            old_lp, ref_lp, values = (
+                rollouts[0].logprobs_on.remote(on, *now.refs),
+                reference.logprobs_on.remote(on, *now.refs),
+                critic.values_on.remote(on, *now.refs),
+            )
             inputs = (scored, old_lp, ref_lp, values, on, *now.refs)
-            updates = [[policy.ppo_step_on.remote(*inputs, targets=targets, clip_eps=cfg.clip_eps),
-                        critic.train_step_on.remote(*inputs, targets=targets, clip=cfg.value_clip)]
-                       for _ in range(cfg.ppo_epochs)]  # each trainer runs its epochs in turn
+            updates = [
+                [
+                    policy.ppo_step_on.remote(*inputs, targets=targets, clip_eps=cfg.clip_eps),
+                    critic.train_step_on.remote(*inputs, targets=targets, clip=cfg.value_clip),
+                ]
+                for _ in range(cfg.ppo_epochs)
+            ]  # each trainer runs its epochs in turn
             loads = start_sync(policy, rollouts)  # each replica loads after the updates queued before it
             # while they work: what the metrics need (the time_* sections: what this process waited)
             with t("time_rollout"):
@@ -114,23 +177,49 @@ def run_ppo(model_dir: str, out_dir: str, train: list, held_out: list, cfg: PPOC
                 sizes = wait_loads(loads)
             mask = s.batch["response_mask"]
             seconds = t.total()
-            metrics = {"reward_mean": score.mean().item(), "reward_std": score.std().item(),
-                       "kl": masked_mean(old - ref, mask).item(), **pm, **vm,
-                       "response_length": response_length(s.batch), "sync_seconds": t.seconds["time_sync"],
-                       "sync_bytes": sizes[0] if sizes else 0, **t.seconds, **offload, "samples": len(s.completions),
-                       "step_seconds": seconds, "samples_per_s": len(s.completions) / seconds}
-            end_step("ppo", step, metrics, steps=cfg.steps, eval_every=cfg.eval_every,
-                     evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-                     checkpoint_every=cfg.checkpoint_every,
-                     checkpoint=(lambda k: save_run(checkpoint_dir, step=k, rng=rng, policy=policy, rollouts=rollouts,
-                                                    critic=critic)) if checkpoint_dir else None,
-                     logger=logger, history=history)
-        summary = {"eval_reward_before": eval_before,
-                   "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-                   "steps_run": len(history), "samples_per_s": throughput(history),
-                   **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES))}
-        ray.get(policy.export.remote(out_dir, {"algorithm": "ppo", "config": asdict(cfg), "metrics": summary,
-                                               "lineage": lineage or {}}))
+            metrics = {
+                "reward_mean": score.mean().item(),
+                "reward_std": score.std().item(),
+                "kl": masked_mean(old - ref, mask).item(),
+                **pm,
+                **vm,
+                "response_length": response_length(s.batch),
+                "sync_seconds": t.seconds["time_sync"],
+                "sync_bytes": sizes[0] if sizes else 0,
+                **t.seconds,
+                **offload,
+                "samples": len(s.completions),
+                "step_seconds": seconds,
+                "samples_per_s": len(s.completions) / seconds,
+            }
+            end_step(
+                "ppo",
+                step,
+                metrics,
+                steps=cfg.steps,
+                eval_every=cfg.eval_every,
+                evaluate=lambda: reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+                checkpoint_every=cfg.checkpoint_every,
+                checkpoint=(
+                    lambda k: save_run(checkpoint_dir, step=k, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
+                )
+                if checkpoint_dir
+                else None,
+                logger=logger,
+                history=history,
+            )
+        summary = {
+            "eval_reward_before": eval_before,
+            "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
+            "steps_run": len(history),
+            "samples_per_s": throughput(history),
+            **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES)),
+        }
+        ray.get(
+            policy.export.remote(
+                out_dir, {"algorithm": "ppo", "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
+            )
+        )
     finally:
         place.shutdown()
     if logger is not None:

@@ -58,8 +58,16 @@ def _train(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: Rew
     return {"rm_eval_accuracy_before": before, "rm_eval_accuracy": after}
 
 
-def train_reward_model(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: RewardModelConfig, *,
-                       run_name: str = "reward_model", logger=None) -> dict:
+def train_reward_model(
+    model_dir: str,
+    out_dir: str,
+    pairs: list,
+    eval_pairs: list,
+    cfg: RewardModelConfig,
+    *,
+    run_name: str = "reward_model",
+    logger=None,
+) -> dict:
     """`pairs`/`eval_pairs`: PreferenceExample lists. Returns held-out pair accuracy before/after."""
     cfg = cfg.validate()
     check_causal_lm(model_dir, "reward model backbone")

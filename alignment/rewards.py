@@ -29,8 +29,10 @@ def parse_spec(spec: str) -> tuple[str, float]:
     try:
         return path.strip(), float(w) if w else 1.0
     except ValueError:
-        raise ConfigError([f"reward {spec!r}: the weight after '=' must be a number (e.g. my_pkg.rewards:accuracy=0.5)"],
-                          what="rewards") from None
+        raise ConfigError(
+            [f"reward {spec!r}: the weight after '=' must be a number (e.g. my_pkg.rewards:accuracy=0.5)"],
+            what="rewards",
+        ) from None
 
 
 def import_path(path: str):
@@ -39,18 +41,26 @@ def import_path(path: str):
     if not sep:
         mod_name, _, attr = path.rpartition(".")
     if not mod_name or not attr:
-        raise ConfigError([f"reward {path!r} is not an import path; write it as 'package.module:function'"],
-                          what="rewards")
+        raise ConfigError(
+            [f"reward {path!r} is not an import path; write it as 'package.module:function'"], what="rewards"
+        )
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to see, named
-        raise ConfigError([f"reward {path!r}: module {mod_name!r} does not import ({type(e).__name__}: {e}); check the "
-                           "name and that its folder is on PYTHONPATH or installed"], what="rewards") from e
+        raise ConfigError(
+            [
+                f"reward {path!r}: module {mod_name!r} does not import ({type(e).__name__}: {e}); check the "
+                "name and that its folder is on PYTHONPATH or installed"
+            ],
+            what="rewards",
+        ) from e
     fn = getattr(mod, attr, None)
     if not callable(fn):
         found = sorted(n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n)))
-        raise ConfigError([f"reward {path!r}: {mod_name} has no function {attr!r}; callables there: "
-                           f"{', '.join(found) or '(none)'}"], what="rewards")
+        raise ConfigError(
+            [f"reward {path!r}: {mod_name} has no function {attr!r}; callables there: {', '.join(found) or '(none)'}"],
+            what="rewards",
+        )
     _ship_by_value(mod)
     return fn
 
@@ -62,8 +72,12 @@ def _ship_by_value(mod) -> None:
     from ray import cloudpickle as ray_cloudpickle  # Ray pickles task arguments with its own vendored copy
 
     f = getattr(mod, "__file__", None)
-    if f and "site-packages" not in f and not mod.__name__.startswith("raypai") and \
-            not Path(f).is_relative_to(Path(sys.base_prefix)):
+    if (
+        f
+        and "site-packages" not in f
+        and not mod.__name__.startswith("raypai")
+        and not Path(f).is_relative_to(Path(sys.base_prefix))
+    ):
         cloudpickle.register_pickle_by_value(mod)
         ray_cloudpickle.register_pickle_by_value(mod)
 
@@ -99,10 +113,14 @@ def check_output(fn, values, prompts, completions) -> list[float]:
     try:
         vals = list(values)
     except TypeError:
-        raise RewardError(f"reward {name} returned {type(values).__name__}, not a list of floats (one per completion)") from None
+        raise RewardError(
+            f"reward {name} returned {type(values).__name__}, not a list of floats (one per completion)"
+        ) from None
     if len(vals) != len(completions):
-        raise RewardError(f"reward {name} returned {len(vals)} values for {len(completions)} completions; it must "
-                          "return one float per completion")
+        raise RewardError(
+            f"reward {name} returned {len(vals)} values for {len(completions)} completions; it must "
+            "return one float per completion"
+        )
     out = []
     for i, v in enumerate(vals):
         try:
@@ -110,7 +128,9 @@ def check_output(fn, values, prompts, completions) -> list[float]:
         except (TypeError, ValueError):
             f = math.nan
         if not math.isfinite(f):
-            raise RewardError(f"reward {name} returned {v!r} for sample {i} (prompt {str(prompts[i])[:80]!r}, completion "
-                              f"{str(completions[i])[:80]!r}); rewards must be finite floats")
+            raise RewardError(
+                f"reward {name} returned {v!r} for sample {i} (prompt {str(prompts[i])[:80]!r}, completion "
+                f"{str(completions[i])[:80]!r}); rewards must be finite floats"
+            )
         out.append(f)
     return out

@@ -41,8 +41,18 @@ def eval_loss(policy, encoded, pad_id: int, chunk: int = 32) -> float:
     return total / n
 
 
-def run_sft(model_dir: str, out_dir: str, train: list, held_out: list, cfg: SFTConfig, *, run_name: str = "sft",
-            logger=None, lineage: dict | None = None, ptx_blocks=None) -> dict:
+def run_sft(
+    model_dir: str,
+    out_dir: str,
+    train: list,
+    held_out: list,
+    cfg: SFTConfig,
+    *,
+    run_name: str = "sft",
+    logger=None,
+    lineage: dict | None = None,
+    ptx_blocks=None,
+) -> dict:
     """Trains on `train` (SFTExample list), reports the held-out response NLL before/after and writes
     the model to `out_dir`. `ptx_blocks` ((N, T) int array of pretraining token blocks) with
     `cfg.ptx_coef` > 0 mixes their LM loss into every step."""
@@ -56,24 +66,41 @@ def run_sft(model_dir: str, out_dir: str, train: list, held_out: list, cfg: SFTC
     pad_id = fmt.tok.pad_token_id
     place = Placement(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)})
     try:
-        [policy] = place.place("policy", PolicyTrainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed,
-                               device="cuda" if cfg.gpus else "cpu", dropout=True)  # the model's own, as in any fine-tuning
+        [policy] = place.place(
+            "policy",
+            PolicyTrainer,
+            model_dir,
+            cfg.lr,
+            cfg.zero_stage,
+            cfg.seed,
+            device="cuda" if cfg.gpus else "cpu",
+            dropout=True,
+        )  # the model's own, as in any fine-tuning
         before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
         for step in range(1, cfg.steps + 1):
             batch = batch_of(enc_train, [rng.randrange(len(enc_train)) for _ in range(cfg.batch_size)], pad_id)
             ptx = None
             if ptx_blocks is not None and cfg.ptx_coef > 0:
-                ptx = torch.as_tensor(ptx_blocks[[rng.randrange(len(ptx_blocks)) for _ in range(cfg.batch_size)]],
-                                      dtype=torch.long)
+                ptx = torch.as_tensor(
+                    ptx_blocks[[rng.randrange(len(ptx_blocks)) for _ in range(cfg.batch_size)]], dtype=torch.long
+                )
             m = ray.get(policy.sft_step.remote(batch, ptx, cfg.ptx_coef))
             if logger is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 logger.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
         after = eval_loss(policy, enc_eval, pad_id)
-        metrics = {"eval_response_loss_before": before, "eval_response_loss_after": after,
-                   "train_examples": len(train), "eval_examples": len(held_out), "truncated": trunc.truncated}
-        ray.get(policy.export.remote(out_dir, {"algorithm": "sft", "config": asdict(cfg), "metrics": metrics,
-                                               "lineage": lineage or {}}))
+        metrics = {
+            "eval_response_loss_before": before,
+            "eval_response_loss_after": after,
+            "train_examples": len(train),
+            "eval_examples": len(held_out),
+            "truncated": trunc.truncated,
+        }
+        ray.get(
+            policy.export.remote(
+                out_dir, {"algorithm": "sft", "config": asdict(cfg), "metrics": metrics, "lineage": lineage or {}}
+            )
+        )
     finally:
         place.shutdown()
     if logger is not None:

@@ -43,8 +43,12 @@ def _examples(data: Artifact, eval_data: Artifact | None, kind: str, eval_fracti
 
 def _save_model(ctx: StepContext, out, name: str, metrics: dict, parents: dict[str, Artifact]) -> Artifact:
     ctx.log_metrics(metrics)
-    return ctx.save(out, kind="model", name=name,
-                    metadata={"metrics": metrics, "parents": {k: a.id for k, a in parents.items() if a is not None}})
+    return ctx.save(
+        out,
+        kind="model",
+        name=name,
+        metadata={"metrics": metrics, "parents": {k: a.id for k, a in parents.items() if a is not None}},
+    )
 
 
 def _lineage(**arts) -> dict:
@@ -88,28 +92,45 @@ def alignment_data(ctx: StepContext, path: str, kind: str = "sft", name: str = "
 
 
 @step(cpus=0.25)
-def arithmetic_data(ctx: StepContext, kind: str = "sft", split: str = "train", chat: bool = True,
-                    seed: int = 0) -> Artifact:
+def arithmetic_data(
+    ctx: StepContext, kind: str = "sft", split: str = "train", chat: bool = True, seed: int = 0
+) -> Artifact:
     """The demo's single-digit addition task as a dataset artifact (sft | preference | prompt rows;
     the held-out split never overlaps the training one)."""
     from raypai.alignment.tasks import arithmetic as ar
 
     train, held = ar.split(seed=seed)
     items = train if split == "train" else held
-    rows = {"sft": lambda: ar.sft_rows(items, chat), "prompt": lambda: ar.prompt_rows(items, chat),
-            "preference": lambda: ar.preference_rows(items, seed + (0 if split == "train" else 7),
-                                                     3 if split == "train" else 1, chat)}[kind]()
+    rows = {
+        "sft": lambda: ar.sft_rows(items, chat),
+        "prompt": lambda: ar.prompt_rows(items, chat),
+        "preference": lambda: ar.preference_rows(
+            items, seed + (0 if split == "train" else 7), 3 if split == "train" else 1, chat
+        ),
+    }[kind]()
     out = ctx.output_dir("data")
     ar.write_jsonl(rows, out / ROWS_FILE)
-    meta = {"kind": kind, "rows": len(rows), "columns": sorted(rows[0]), "source": "raypai arithmetic task",
-            "split": split}
+    meta = {
+        "kind": kind,
+        "rows": len(rows),
+        "columns": sorted(rows[0]),
+        "source": "raypai arithmetic task",
+        "split": split,
+    }
     (out / "manifest.json").write_text(json.dumps(meta, indent=1))
     return ctx.save(out, kind="dataset", name=f"arithmetic_{kind}_{split}", metadata=meta)
 
 
 @step(cpus=0.5)
-def sft(ctx: StepContext, base_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
-        config: C.SFTConfig | dict | None = None, eval_fraction: float = 0.1, ptx_shards: Artifact | None = None) -> Artifact:
+def sft(
+    ctx: StepContext,
+    base_model: Artifact,
+    data: Artifact,
+    eval_data: Artifact | None = None,
+    config: C.SFTConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+    ptx_shards: Artifact | None = None,
+) -> Artifact:
     """SFT on `data` (messages or prompt/completion rows). `ptx_shards` (token shards) with
     config.ptx_coef > 0 mixes pretraining blocks into every step so SFT keeps what pretraining learned."""
     from raypai.alignment.sft import run_sft
@@ -122,45 +143,92 @@ def sft(ctx: StepContext, base_model: Artifact, data: Artifact, eval_data: Artif
 
         _, blocks = load_blocks(ptx_shards.local_path(), "train")
     out = ctx.output_dir("sft")
-    m = run_sft(str(base_model.local_path()), str(out), train, held, cfg, run_name=f"sft-{ctx.step_run_id[:8]}",
-                logger=_StepLogger(ctx, cfg.steps), lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
-                ptx_blocks=blocks)
-    return _save_model(ctx, out, "sft_model", m, {"base_model": base_model, "data": data, "eval_data": eval_data,
-                                                   "ptx_shards": ptx_shards})
+    m = run_sft(
+        str(base_model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"sft-{ctx.step_run_id[:8]}",
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
+        ptx_blocks=blocks,
+    )
+    return _save_model(
+        ctx,
+        out,
+        "sft_model",
+        m,
+        {"base_model": base_model, "data": data, "eval_data": eval_data, "ptx_shards": ptx_shards},
+    )
 
 
 @step(cpus=0.5)
-def reward_model(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
-                 config: C.RewardModelConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+def reward_model(
+    ctx: StepContext,
+    sft_model: Artifact,
+    data: Artifact,
+    eval_data: Artifact | None = None,
+    config: C.RewardModelConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+) -> Artifact:
     """A Bradley–Terry reward model (scalar head on the SFT model) from preference rows."""
     from raypai.alignment.reward_model import train_reward_model
 
     cfg = _cfg("reward_model", config)
     train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
     out = ctx.output_dir("rm")
-    m = train_reward_model(str(sft_model.local_path()), str(out), train, held, cfg,
-                           run_name=f"rm-{ctx.step_run_id[:8]}", logger=_StepLogger(ctx, cfg.steps))
+    m = train_reward_model(
+        str(sft_model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"rm-{ctx.step_run_id[:8]}",
+        logger=_StepLogger(ctx, cfg.steps),
+    )
     return _save_model(ctx, out, "reward_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
 
 
 @step(cpus=0.5)
-def dpo(ctx: StepContext, sft_model: Artifact, data: Artifact, eval_data: Artifact | None = None,
-        config: C.DPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+def dpo(
+    ctx: StepContext,
+    sft_model: Artifact,
+    data: Artifact,
+    eval_data: Artifact | None = None,
+    config: C.DPOConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+) -> Artifact:
     """Offline DPO (sigmoid / IPO / hinge, label smoothing) on preference rows."""
     from raypai.alignment.dpo import run_dpo
 
     cfg = _cfg("dpo", config)
     train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
     out = ctx.output_dir("dpo")
-    m = run_dpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"dpo-{ctx.step_run_id[:8]}",
-                logger=_StepLogger(ctx, cfg.steps), lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data))
+    m = run_dpo(
+        str(sft_model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"dpo-{ctx.step_run_id[:8]}",
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data),
+    )
     return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
 
 
 @step(cpus=0.5)
-def online_dpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, eval_pairs: Artifact,
-               rewards: list[str] | None = None, eval_prompts: Artifact | None = None,
-               config: C.DPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+def online_dpo(
+    ctx: StepContext,
+    sft_model: Artifact,
+    prompts: Artifact,
+    eval_pairs: Artifact,
+    rewards: list[str] | None = None,
+    eval_prompts: Artifact | None = None,
+    config: C.DPOConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+) -> Artifact:
     """Online DPO: `num_samples` completions per prompt ranked by `rewards` (import paths), best vs
     worst; preference accuracy measured on `eval_pairs`."""
     from raypai.alignment.dpo import run_dpo
@@ -169,17 +237,39 @@ def online_dpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, eval_pa
     train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
     pairs = D.load(eval_pairs, "preference", name=f"dataset {eval_pairs.name}")
     out = ctx.output_dir("odpo")
-    m = run_dpo(str(sft_model.local_path()), str(out), [], pairs, cfg, prompts=train, held_out=held,
-                rewards=list(rewards or []), run_name=f"odpo-{ctx.step_run_id[:8]}", logger=_StepLogger(ctx, cfg.steps),
-                lineage=_lineage(sft_model=sft_model, prompts=prompts, eval_pairs=eval_pairs))
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "prompts": prompts,
-                                                       "eval_pairs": eval_pairs, "eval_prompts": eval_prompts})
+    m = run_dpo(
+        str(sft_model.local_path()),
+        str(out),
+        [],
+        pairs,
+        cfg,
+        prompts=train,
+        held_out=held,
+        rewards=list(rewards or []),
+        run_name=f"odpo-{ctx.step_run_id[:8]}",
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=_lineage(sft_model=sft_model, prompts=prompts, eval_pairs=eval_pairs),
+    )
+    return _save_model(
+        ctx,
+        out,
+        "aligned_model",
+        m,
+        {"sft_model": sft_model, "prompts": prompts, "eval_pairs": eval_pairs, "eval_prompts": eval_prompts},
+    )
 
 
 @step(cpus=0.5)
-def grpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[str] | None = None,
-         reward_model: Artifact | None = None, eval_prompts: Artifact | None = None,
-         config: C.GRPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+def grpo(
+    ctx: StepContext,
+    sft_model: Artifact,
+    prompts: Artifact,
+    rewards: list[str] | None = None,
+    reward_model: Artifact | None = None,
+    eval_prompts: Artifact | None = None,
+    config: C.GRPOConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+) -> Artifact:
     """GRPO on prompt rows with `rewards` (import paths 'pkg.mod:fn[=weight]'; extra columns of the
     rows reach them) plus the reward model, weighted by config.reward_model_weight, when given."""
     from raypai.alignment.grpo import run_grpo
@@ -187,18 +277,39 @@ def grpo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list
     cfg = _cfg("grpo", config)
     train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
     out = ctx.output_dir("grpo")
-    m = run_grpo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"grpo-{ctx.step_run_id[:8]}",
-                 rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                  checkpoint_dir=str(ctx.work_dir("checkpoints")), logger=_StepLogger(ctx, cfg.steps),
-                 lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
-                                                       "prompts": prompts, "eval_prompts": eval_prompts})
+    m = run_grpo(
+        str(sft_model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"grpo-{ctx.step_run_id[:8]}",
+        rewards=list(rewards or []),
+        reward_model_dir=str(reward_model.local_path()) if reward_model else None,
+        checkpoint_dir=str(ctx.work_dir("checkpoints")),
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts),
+    )
+    return _save_model(
+        ctx,
+        out,
+        "aligned_model",
+        m,
+        {"sft_model": sft_model, "reward_model": reward_model, "prompts": prompts, "eval_prompts": eval_prompts},
+    )
 
 
 @step(cpus=0.5)
-def ppo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[str] | None = None,
-        reward_model: Artifact | None = None, eval_prompts: Artifact | None = None,
-        config: C.PPOConfig | dict | None = None, eval_fraction: float = 0.1) -> Artifact:
+def ppo(
+    ctx: StepContext,
+    sft_model: Artifact,
+    prompts: Artifact,
+    rewards: list[str] | None = None,
+    reward_model: Artifact | None = None,
+    eval_prompts: Artifact | None = None,
+    config: C.PPOConfig | dict | None = None,
+    eval_fraction: float = 0.1,
+) -> Artifact:
     """PPO with a critic (initialised from the reward model when given), `rewards` and the reward model."""
     from raypai.alignment.ppo import run_ppo
 
@@ -207,18 +318,41 @@ def ppo(ctx: StepContext, sft_model: Artifact, prompts: Artifact, rewards: list[
         cfg = dataclasses.replace(cfg, reward_model_weight=0.0)  # no reward model to weigh
     train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
     out = ctx.output_dir("ppo")
-    m = run_ppo(str(sft_model.local_path()), str(out), train, held, cfg, run_name=f"ppo-{ctx.step_run_id[:8]}",
-                rewards=list(rewards or []), reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-                checkpoint_dir=str(ctx.work_dir("checkpoints")), logger=_StepLogger(ctx, cfg.steps),
-                lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts))
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "reward_model": reward_model,
-                                                       "prompts": prompts, "eval_prompts": eval_prompts})
+    m = run_ppo(
+        str(sft_model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"ppo-{ctx.step_run_id[:8]}",
+        rewards=list(rewards or []),
+        reward_model_dir=str(reward_model.local_path()) if reward_model else None,
+        checkpoint_dir=str(ctx.work_dir("checkpoints")),
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts),
+    )
+    return _save_model(
+        ctx,
+        out,
+        "aligned_model",
+        m,
+        {"sft_model": sft_model, "reward_model": reward_model, "prompts": prompts, "eval_prompts": eval_prompts},
+    )
 
 
 @step(cpus=0.5)
-def evaluate(ctx: StepContext, candidate: Artifact, baseline: Artifact, data: Artifact,
-             metric: str = "held_out_reward", rewards: list[str] | None = None, reward_model: Artifact | None = None,
-             max_new_tokens: int = 16, min_delta: float = 0.0, shards: Artifact | None = None) -> dict:
+def evaluate(
+    ctx: StepContext,
+    candidate: Artifact,
+    baseline: Artifact,
+    data: Artifact,
+    metric: str = "held_out_reward",
+    rewards: list[str] | None = None,
+    reward_model: Artifact | None = None,
+    max_new_tokens: int = 16,
+    min_delta: float = 0.0,
+    shards: Artifact | None = None,
+) -> dict:
     """Candidate vs baseline on held-out `data` in the metric the user names — held_out_reward
     (prompt rows + `rewards`), response_nll (SFT rows), rm_win_rate (prompt rows + `reward_model`),
     perplexity (`shards`). Returns {metric, candidate, baseline, improved, ...}; `improved` gates
@@ -236,8 +370,10 @@ def evaluate(ctx: StepContext, candidate: Artifact, baseline: Artifact, data: Ar
         if not fns:
             raise ConfigError(["metric held_out_reward needs rewards=['pkg.mod:fn']"], what="evaluate")
         prompts = D.load(data, "prompt", name=f"dataset {data.name}")
-        res.update(candidate=E.held_out_reward(cand, prompts, fns, max_new_tokens),
-                   baseline=E.held_out_reward(base, prompts, fns, max_new_tokens))
+        res.update(
+            candidate=E.held_out_reward(cand, prompts, fns, max_new_tokens),
+            baseline=E.held_out_reward(base, prompts, fns, max_new_tokens),
+        )
     elif metric == "response_nll":
         ex = D.load(data, "sft", name=f"dataset {data.name}")
         res.update(candidate=E.response_nll(cand, ex), baseline=E.response_nll(base, ex))
@@ -245,11 +381,13 @@ def evaluate(ctx: StepContext, candidate: Artifact, baseline: Artifact, data: Ar
         if reward_model is None:
             raise ConfigError(["metric rm_win_rate needs reward_model=<reward model artifact>"], what="evaluate")
         prompts = D.load(data, "prompt", name=f"dataset {data.name}")
-        res.update(candidate=E.rm_win_rate(cand, base, reward_model.local_path(), prompts, max_new_tokens),
-                   baseline=0.5)
+        res.update(
+            candidate=E.rm_win_rate(cand, base, reward_model.local_path(), prompts, max_new_tokens), baseline=0.5
+        )
     if shards is not None:
-        res.update(ppl_candidate=E.perplexity(cand, shards.local_path()),
-                   ppl_baseline=E.perplexity(base, shards.local_path()))
+        res.update(
+            ppl_candidate=E.perplexity(cand, shards.local_path()), ppl_baseline=E.perplexity(base, shards.local_path())
+        )
         if metric == "perplexity":
             res.update(candidate=res["ppl_candidate"], baseline=res["ppl_baseline"])
     elif metric == "perplexity":

@@ -73,11 +73,15 @@ class SharedWeights:
             with open(self.path, "wb") as f:
                 f.truncate(self.total)
         elif not os.path.exists(self.path):
-            raise RuntimeError(f"shared weights {self.path} are gone (removed after the first sync); "
-                               "a replica started later syncs through the object store")
+            raise RuntimeError(
+                f"shared weights {self.path} are gone (removed after the first sync); "
+                "a replica started later syncs through the object store"
+            )
         elif os.path.getsize(self.path) != self.total:
-            raise RuntimeError(f"shared weights {self.path} hold {os.path.getsize(self.path)} bytes, this model "
-                               f"needs {self.total}: trainer and rollout models differ")
+            raise RuntimeError(
+                f"shared weights {self.path} hold {os.path.getsize(self.path)} bytes, this model "
+                f"needs {self.total}: trainer and rollout models differ"
+            )
         storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.total)
         self.buf = torch.tensor([], dtype=torch.uint8).set_(storage)  # (total,) bytes
         self.head = self.buf[:16].view(torch.int64)  # [version, layout digest]
@@ -87,7 +91,7 @@ class SharedWeights:
         """(tensor, its slice of the buffer — or of `flat`, a device copy of the buffer's layout)."""
         buf = self.buf if flat is None else flat
         for (name, offset, nbytes), dtype, t in zip(self.entries, self.dtypes, state.values()):
-            yield t, buf[offset:offset + nbytes].view(dtype).view(t.shape)
+            yield t, buf[offset : offset + nbytes].view(dtype).view(t.shape)
 
     def bind(self, params: dict, *, copy: bool) -> None:
         """Point every tensor of `params` at its slice of the buffer (after copying its values
@@ -108,19 +112,23 @@ class SharedWeights:
         """The version the buffer holds; raises while it is being written (version −1)."""
         found = int(self.head[0])
         if found < 0:
-            raise RuntimeError(f"shared weights {self.path} are being written by the trainer: a replica bound to "
-                               "them must not sample during an update (live parameters are for synchronous loops)")
+            raise RuntimeError(
+                f"shared weights {self.path} are being written by the trainer: a replica bound to "
+                "them must not sample during an update (live parameters are for synchronous loops)"
+            )
         return found
 
     def check(self, version: int) -> None:
         """Raise unless the buffer holds `version` of this layout (stale or foreign weights are never used)."""
         found, digest = int(self.head[0]), int(self.head[1])
         if digest != self.digest:
-            raise RuntimeError(f"shared weights {self.path} have another parameter layout: trainer and rollout "
-                               "models differ")
+            raise RuntimeError(
+                f"shared weights {self.path} have another parameter layout: trainer and rollout models differ"
+            )
         if found != version:
-            raise RuntimeError(f"shared weights {self.path} hold version {found}, expected {version}: "
-                               "refusing stale weights")
+            raise RuntimeError(
+                f"shared weights {self.path} hold version {found}, expected {version}: refusing stale weights"
+            )
 
     def write(self, state: dict, version: int) -> int:
         """Copy `state` (the trainer's tensors, any device and dtype) into the buffer, cast to the

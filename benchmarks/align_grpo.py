@@ -65,11 +65,12 @@ def workload(n_prompts: int, seed: int):
 
     items = ar.problems(max_operand=49)
     random.Random(seed).shuffle(items)
-    return items[:n_prompts], items[n_prompts:n_prompts + 16]
+    return items[:n_prompts], items[n_prompts : n_prompts + 16]
 
 
-def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool,
-               replicas: int = 1) -> dict:
+def run_raypai(
+    model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool, replicas: int = 1
+) -> dict:
     from raypai.alignment import GRPOConfig, run_grpo
     from raypai.alignment.data import prompt_examples
     from raypai.alignment.tasks import arithmetic as ar
@@ -77,24 +78,50 @@ def run_raypai(model_dir: str, out: Path, args, prompts: int, group: int, async_
     train, held = workload(args.prompts, args.seed)
     log = Steps()
     name = f"raypai_grpo_{'async' if async_rollout else f'sync{replicas}r'}_{prompts}x{group}"
-    cfg = GRPOConfig(steps=args.steps, prompts_per_step=prompts, group_size=group, lr=1e-6, beta=0.0,
-                     aggregation="dapo", max_new_tokens=args.max_new_tokens, eval_every=10**6, seed=args.seed,
-                     async_rollout=async_rollout, train_threads=args.train_threads, rollout_threads=args.rollout_threads,
-                     rollout_engine=args.rollout_engine, compile_rollout=args.compile_rollout,
-                     rollout_replicas=replicas)
+    cfg = GRPOConfig(
+        steps=args.steps,
+        prompts_per_step=prompts,
+        group_size=group,
+        lr=1e-6,
+        beta=0.0,
+        aggregation="dapo",
+        max_new_tokens=args.max_new_tokens,
+        eval_every=10**6,
+        seed=args.seed,
+        async_rollout=async_rollout,
+        train_threads=args.train_threads,
+        rollout_threads=args.rollout_threads,
+        rollout_engine=args.rollout_engine,
+        compile_rollout=args.compile_rollout,
+        rollout_replicas=replicas,
+    )
     t0 = time.perf_counter()
-    summary = run_grpo(model_dir, str(out / name), prompt_examples(ar.prompt_rows(train)),
-                       prompt_examples(ar.prompt_rows(held)), cfg, run_name=name.replace("_", "-"),
-                       rewards=[(ar.exact_match_reward, 1.0)], logger=log)
+    summary = run_grpo(
+        model_dir,
+        str(out / name),
+        prompt_examples(ar.prompt_rows(train)),
+        prompt_examples(ar.prompt_rows(held)),
+        cfg,
+        run_name=name.replace("_", "-"),
+        rewards=[(ar.exact_match_reward, 1.0)],
+        logger=log,
+    )
     steady = log.rows[1:]
     seconds = sum(r["step_seconds"] for r in steady)
-    row = {"result": name, "samples_per_s": sum(r["samples"] for r in steady) / seconds,
-           "step_seconds": seconds / len(steady),
-           "response_length": sum(r["response_length"] for r in steady) / len(steady),
-           "reward_mean": summary["mean_reward_mean"], "sync_bytes": summary["sync_bytes"],
-           "async_rollout": async_rollout, "rollout_engine": args.rollout_engine,
-           "compile_rollout": args.compile_rollout, "first_step_seconds": log.rows[0]["step_seconds"],
-           "rollout_replicas": cfg.rollout_replicas, "wall_s_incl_startup": time.perf_counter() - t0}
+    row = {
+        "result": name,
+        "samples_per_s": sum(r["samples"] for r in steady) / seconds,
+        "step_seconds": seconds / len(steady),
+        "response_length": sum(r["response_length"] for r in steady) / len(steady),
+        "reward_mean": summary["mean_reward_mean"],
+        "sync_bytes": summary["sync_bytes"],
+        "async_rollout": async_rollout,
+        "rollout_engine": args.rollout_engine,
+        "compile_rollout": args.compile_rollout,
+        "first_step_seconds": log.rows[0]["step_seconds"],
+        "rollout_replicas": cfg.rollout_replicas,
+        "wall_s_incl_startup": time.perf_counter() - t0,
+    }
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
 
@@ -142,22 +169,50 @@ def run_trl_grpo(model_dir: str, out: Path, args, prompts: int, group: int) -> d
             stamps.append(time.perf_counter())
 
     Timed.gen_seconds = []
-    cfg = GRPOConfig(output_dir=str(out / f"trl-{prompts}x{group}"), per_device_train_batch_size=prompts * group,
-                     num_generations=group, steps_per_generation=1, gradient_accumulation_steps=1,
-                     max_completion_length=args.max_new_tokens, learning_rate=1e-6, beta=0.0, loss_type="dapo",
-                     num_iterations=1, temperature=1.0, max_steps=args.steps, use_cpu=True, bf16=False,
-                     gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no",
-                     seed=args.seed, disable_tqdm=True)
-    trainer = Timed(model=model, reward_funcs=ar.exact_match_reward, args=cfg, train_dataset=data,
-                    processing_class=tok, callbacks=[Clock()])
+    cfg = GRPOConfig(
+        output_dir=str(out / f"trl-{prompts}x{group}"),
+        per_device_train_batch_size=prompts * group,
+        num_generations=group,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens,
+        learning_rate=1e-6,
+        beta=0.0,
+        loss_type="dapo",
+        num_iterations=1,
+        temperature=1.0,
+        max_steps=args.steps,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    trainer = Timed(
+        model=model,
+        reward_funcs=ar.exact_match_reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
     trainer.train()
     steady = len(stamps) - 1
     seconds = stamps[-1] - stamps[0]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     gen = sum(Timed.gen_seconds[1:]) / steady
-    return {"result": f"trl_grpo_{prompts}x{group}_{_threads()}t", "samples_per_s": steady * prompts * group / seconds,
-            "step_seconds": seconds / steady, "response_length": sum(lengths) / len(lengths),
-            "time_generate_and_score": gen, "time_rest": seconds / steady - gen, "torch_threads": _threads()}
+    return {
+        "result": f"trl_grpo_{prompts}x{group}_{_threads()}t",
+        "samples_per_s": steady * prompts * group / seconds,
+        "step_seconds": seconds / steady,
+        "response_length": sum(lengths) / len(lengths),
+        "time_generate_and_score": gen,
+        "time_rest": seconds / steady - gen,
+        "torch_threads": _threads(),
+    }
 
 
 def _threads() -> int:
@@ -180,12 +235,23 @@ def run_raypai_dpo(model_dir: str, out: Path, args) -> dict:
     rows = preference_examples(pairs(args))
     log = Steps()
     t0 = time.perf_counter()
-    run_dpo(model_dir, str(out / "raypai-dpo"), rows, rows[:16],
-            DPOConfig(steps=args.dpo_steps, batch_size=8, lr=1e-6, beta=0.1), run_name="bench-dpo", logger=log)
+    run_dpo(
+        model_dir,
+        str(out / "raypai-dpo"),
+        rows,
+        rows[:16],
+        DPOConfig(steps=args.dpo_steps, batch_size=8, lr=1e-6, beta=0.1),
+        run_name="bench-dpo",
+        logger=log,
+    )
     steady = len(log.stamps) - 1  # timed as TRL's: from the end of step 1 to the end of the last step
     seconds = log.stamps[-1] - log.stamps[0]
-    return {"result": "raypai_dpo", "pairs_per_s": 8 * steady / seconds, "step_seconds": seconds / steady,
-            "wall_s_incl_startup": time.perf_counter() - t0}
+    return {
+        "result": "raypai_dpo",
+        "pairs_per_s": 8 * steady / seconds,
+        "step_seconds": seconds / steady,
+        "wall_s_incl_startup": time.perf_counter() - t0,
+    }
 
 
 def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
@@ -202,16 +268,33 @@ def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    cfg = DPOConfig(output_dir=str(out / "trl-dpo"), per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                    learning_rate=1e-6, beta=0.1, max_steps=args.dpo_steps, use_cpu=True, bf16=False,
-                    gradient_checkpointing=False, report_to=[], logging_steps=1, save_strategy="no",
-                    seed=args.seed, disable_tqdm=True, precompute_ref_log_probs=True)
+    cfg = DPOConfig(
+        output_dir=str(out / "trl-dpo"),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-6,
+        beta=0.1,
+        max_steps=args.dpo_steps,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=args.seed,
+        disable_tqdm=True,
+        precompute_ref_log_probs=True,
+    )
     t0 = time.perf_counter()
     DPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()]).train()
     steady = len(stamps) - 1
-    return {"result": f"trl_dpo_{_threads()}t", "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
-            "step_seconds": (stamps[-1] - stamps[0]) / steady, "wall_s_incl_startup": time.perf_counter() - t0,
-            "torch_threads": _threads()}
+    return {
+        "result": f"trl_dpo_{_threads()}t",
+        "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
+        "step_seconds": (stamps[-1] - stamps[0]) / steady,
+        "wall_s_incl_startup": time.perf_counter() - t0,
+        "torch_threads": _threads(),
+    }
 
 
 TARGETS = {"sync": 1.5, "async": 2.0, "dpo": 1.5}  # issue #14: raypai over TRL's best, at both batch sizes
@@ -233,20 +316,35 @@ def summarize(rows: list[dict]) -> list[dict]:
         if not trl or not sync:
             continue
         base, best_sync = max(trl, key=trl.get), max(sync, key=sync.get)
-        row = {"result": f"summary_grpo_{batch}", "rounds": len([r for r in rows if r["result"] == base]),
-               "trl_best": base, "trl_samples_per_s": trl[base], "raypai_sync_best": best_sync,
-               "sync_samples_per_s": sync[best_sync], "sync_vs_trl": sync[best_sync] / trl[base]}
+        row = {
+            "result": f"summary_grpo_{batch}",
+            "rounds": len([r for r in rows if r["result"] == base]),
+            "trl_best": base,
+            "trl_samples_per_s": trl[base],
+            "raypai_sync_best": best_sync,
+            "sync_samples_per_s": sync[best_sync],
+            "sync_vs_trl": sync[best_sync] / trl[base],
+        }
         if f"raypai_grpo_async_{batch}" in med:
-            row.update(async_samples_per_s=med[f"raypai_grpo_async_{batch}"],
-                       async_vs_trl=med[f"raypai_grpo_async_{batch}"] / trl[base])
+            row.update(
+                async_samples_per_s=med[f"raypai_grpo_async_{batch}"],
+                async_vs_trl=med[f"raypai_grpo_async_{batch}"] / trl[base],
+            )
         row.update(sync_target=TARGETS["sync"], async_target=TARGETS["async"])
         out.append(row)
     trl_dpo = {k: v for k, v in med.items() if k.startswith("trl_dpo_")}
     if trl_dpo and "raypai_dpo" in med:
         base = max(trl_dpo, key=trl_dpo.get)
-        out.append({"result": "summary_dpo", "trl_best": base, "trl_pairs_per_s": trl_dpo[base],
-                    "raypai_pairs_per_s": med["raypai_dpo"], "dpo_vs_trl": med["raypai_dpo"] / trl_dpo[base],
-                    "dpo_target": TARGETS["dpo"]})
+        out.append(
+            {
+                "result": "summary_dpo",
+                "trl_best": base,
+                "trl_pairs_per_s": trl_dpo[base],
+                "raypai_pairs_per_s": med["raypai_dpo"],
+                "dpo_vs_trl": med["raypai_dpo"] / trl_dpo[base],
+                "dpo_target": TARGETS["dpo"],
+            }
+        )
     return out
 
 
@@ -263,19 +361,35 @@ def main() -> None:
     ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
     ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
     ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
-    ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf", "vllm"), help="raypai GRPOConfig.rollout_engine")
-    ap.add_argument("--compile-rollout", action=argparse.BooleanOptionalAction, default=True,
-                    help="raypai GRPOConfig.compile_rollout (the compile lands in step 1, which is reported as "
-                         "first_step_seconds and left out of the steady state on both sides)")
-    ap.add_argument("--sync-rollout-replicas", default="1,2",
-                    help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
-                         "replicas split the batch and the cores)")
+    ap.add_argument(
+        "--rollout-engine", default="raypai", choices=("raypai", "hf", "vllm"), help="raypai GRPOConfig.rollout_engine"
+    )
+    ap.add_argument(
+        "--compile-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="raypai GRPOConfig.compile_rollout (the compile lands in step 1, which is reported as "
+        "first_step_seconds and left out of the steady state on both sides)",
+    )
+    ap.add_argument(
+        "--sync-rollout-replicas",
+        default="1,2",
+        help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
+        "replicas split the batch and the cores)",
+    )
     ap.add_argument("--modes", default="sync,async", help="raypai GRPO runs: sync, async or both")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
-    ap.add_argument("--rounds", type=int, default=3, help="every configuration this many times, interleaved; "
-                                                          "the summary lines take medians")
-    ap.add_argument("--trl-threads", default="1,2", help="torch threads of the TRL runs, comma-separated: one run "
-                                                         "each (the baseline is TRL's best of them)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="every configuration this many times, interleaved; the summary lines take medians",
+    )
+    ap.add_argument(
+        "--trl-threads",
+        default="1,2",
+        help="torch threads of the TRL runs, comma-separated: one run each (the baseline is TRL's best of them)",
+    )
     args = ap.parse_args()
 
     import ray
@@ -283,8 +397,7 @@ def main() -> None:
     from raypai.alignment.tasks.tiny import build_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="align-bench-"))
-    model = build_tiny_model(out / "model", hidden=128, layers=4, heads=4, kv_heads=2, vocab_size=512,
-                             seed=args.seed)
+    model = build_tiny_model(out / "model", hidden=128, layers=4, heads=4, kv_heads=2, vocab_size=512, seed=args.seed)
     common = {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
     from raypai.runtime import ensure_ray
     from raypai.settings import Settings
@@ -304,25 +417,48 @@ def main() -> None:
                 for batch in args.batches.split(","):
                     prompts, group = map(int, batch.split("x"))
                     modes = args.modes.split(",")
-                    runs = [lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
-                            for r in args.sync_rollout_replicas.split(",") if "sync" in modes]
+                    runs = [
+                        lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
+                        for r in args.sync_rollout_replicas.split(",")
+                        if "sync" in modes
+                    ]
                     if "async" in modes:
                         runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
                     if not args.no_trl:  # TRL at each thread count: its best is the baseline
-                        runs += [lambda n=int(n): with_threads(n, lambda: run_trl_grpo(model, out, args, prompts, group))
-                                 for n in args.trl_threads.split(",")]
+                        runs += [
+                            lambda n=int(n): with_threads(n, lambda: run_trl_grpo(model, out, args, prompts, group))
+                            for n in args.trl_threads.split(",")
+                        ]
                     for fn in runs:
-                        record({**fn(), **common, "round": rnd, "prompts_per_step": prompts, "group": group,
-                                "train_threads": args.train_threads, "rollout_threads": args.rollout_threads,
-                                "load_avg_1m": os.getloadavg()[0]})
+                        record(
+                            {
+                                **fn(),
+                                **common,
+                                "round": rnd,
+                                "prompts_per_step": prompts,
+                                "group": group,
+                                "train_threads": args.train_threads,
+                                "rollout_threads": args.rollout_threads,
+                                "load_avg_1m": os.getloadavg()[0],
+                            }
+                        )
             if args.only in (None, "dpo"):
                 runs = [lambda: run_raypai_dpo(model, out, args)]
                 if not args.no_trl:
-                    runs += [lambda n=int(n): with_threads(n, lambda: run_trl_dpo(model, out, args))
-                             for n in args.trl_threads.split(",")]
+                    runs += [
+                        lambda n=int(n): with_threads(n, lambda: run_trl_dpo(model, out, args))
+                        for n in args.trl_threads.split(",")
+                    ]
                 for fn in runs:
-                    record({**fn(), "round": rnd, "dpo_steps": args.dpo_steps, "cpus": os.cpu_count(),
-                            "load_avg_1m": os.getloadavg()[0]})
+                    record(
+                        {
+                            **fn(),
+                            "round": rnd,
+                            "dpo_steps": args.dpo_steps,
+                            "cpus": os.cpu_count(),
+                            "load_avg_1m": os.getloadavg()[0],
+                        }
+                    )
         for row in summarize(rows):
             emit(row)
     finally:

@@ -57,13 +57,28 @@ def main() -> None:
     pairs = preference_examples(ar.preference_rows(held, seed=args.seed, per_problem=1))
     loops = {
         "online_dpo": lambda log, k: run_dpo(
-            model, str(out / f"odpo-{k}"), [], pairs,
+            model,
+            str(out / f"odpo-{k}"),
+            [],
+            pairs,
             DPOConfig(steps=40, batch_size=8, num_samples=4, lr=1e-6, online=True, max_new_tokens=16),
-            prompts=prompts, held_out=held_prompts[:4], rewards=[length_mod_5], run_name="bench-online-dpo", logger=log),
+            prompts=prompts,
+            held_out=held_prompts[:4],
+            rewards=[length_mod_5],
+            run_name="bench-online-dpo",
+            logger=log,
+        ),
         "ppo": lambda log, k: run_ppo(
-            model, str(out / f"ppo-{k}"), prompts, held_prompts[:4],
+            model,
+            str(out / f"ppo-{k}"),
+            prompts,
+            held_prompts[:4],
             PPOConfig(steps=20, prompts_per_step=8, max_new_tokens=16, lr=1e-6),
-            rewards=[ar.exact_match_reward], run_name="bench-ppo", logger=log)}
+            rewards=[ar.exact_match_reward],
+            run_name="bench-ppo",
+            logger=log,
+        ),
+    }
     try:
         for rnd in range(1, args.rounds + 1):
             for name, loop in loops.items():
@@ -72,9 +87,17 @@ def main() -> None:
                 log, t0 = bench.Steps(), time.perf_counter()
                 loop(log, rnd)
                 steady = len(log.stamps) - 1
-                bench.emit({"result": f"raypai_{name}", "step_ms": (log.stamps[-1] - log.stamps[0]) / steady * 1000,
-                            "steps_logged": len(log.stamps), "wall_s_incl_startup": time.perf_counter() - t0,
-                            "round": rnd, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]})
+                bench.emit(
+                    {
+                        "result": f"raypai_{name}",
+                        "step_ms": (log.stamps[-1] - log.stamps[0]) / steady * 1000,
+                        "steps_logged": len(log.stamps),
+                        "wall_s_incl_startup": time.perf_counter() - t0,
+                        "round": rnd,
+                        "cpus": os.cpu_count(),
+                        "load_avg_1m": os.getloadavg()[0],
+                    }
+                )
     finally:
         ray.shutdown()
 

@@ -63,6 +63,7 @@ MILTON = Path("/work/shared/corpora/milton")
 
 # ----------------------------------------------------------------------------- inputs
 
+
 def prepare_milton(dst: Path) -> Path:
     """One JSONL file per book, one row per blank-line paragraph (raypai's ingest split)."""
     from raypai.data.ingest import IngestConfig, ingest
@@ -122,14 +123,23 @@ def run_raypai(inp: Path, work: Path, minhash: bool, cpus: int, recipe: list | N
     t2 = time.perf_counter()
     ray.shutdown()
     # op_seconds: worker time per op summed over batches (manifest `op_stats`), dedup merges included
-    return {"seconds": t2 - t1, "startup_s": t1 - t0, "kept": m["rows"], "ingest_s": t_ingest,
-            "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]}}
+    return {
+        "seconds": t2 - t1,
+        "startup_s": t1 - t0,
+        "kept": m["rows"],
+        "ingest_s": t_ingest,
+        "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]},
+    }
 
 
 def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
-                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.pipeline.filters import FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter
     from datatrove.pipeline.formatters import PIIFormatter
@@ -142,8 +152,9 @@ def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
     filtered = work / "filtered"
 
     def ex(pipeline, name, n, **kw):
-        return LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=min(cpus, n), logging_dir=f"{logs}/{name}",
-                                     skip_completed=False, **kw)
+        return LocalPipelineExecutor(
+            pipeline=pipeline, tasks=n, workers=min(cpus, n), logging_dir=f"{logs}/{name}", skip_completed=False, **kw
+        )
 
     def step_seconds(name: str) -> dict:
         """datatrove's own per-step time (summed over tasks) from LOGS/NAME/stats.json."""
@@ -156,19 +167,45 @@ def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
         return out
 
     t0 = time.perf_counter()
-    ex([JsonlReader(str(inp)), PIIFormatter(), GopherRepetitionFilter(), GopherQualityFilter(),
-        FineWebQualityFilter(), JsonlWriter(str(filtered))], "filter", tasks).run()
+    ex(
+        [
+            JsonlReader(str(inp)),
+            PIIFormatter(),
+            GopherRepetitionFilter(),
+            GopherQualityFilter(),
+            FineWebQualityFilter(),
+            JsonlWriter(str(filtered)),
+        ],
+        "filter",
+        tasks,
+    ).run()
     if minhash:
         # datatrove 0.10's default xxhash path passes str, which xxhash ≥ 4 refuses; its sha1 option works.
         cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, hash_config=HashConfig(hash_fc="sha1"))
-        ex([JsonlReader(str(filtered)), MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)],
-           "sig", tasks).run()
-        ex([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
-           "buckets", cfg.num_buckets).run()
-        ex([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
-           "cluster", 1).run()
-        ex([JsonlReader(str(filtered)), MinhashDedupFilter(input_folder=str(work / "remove")),
-            JsonlWriter(str(work / "final"))], "final", tasks).run()
+        ex(
+            [JsonlReader(str(filtered)), MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)],
+            "sig",
+            tasks,
+        ).run()
+        ex(
+            [MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
+            "buckets",
+            cfg.num_buckets,
+        ).run()
+        ex(
+            [MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
+            "cluster",
+            1,
+        ).run()
+        ex(
+            [
+                JsonlReader(str(filtered)),
+                MinhashDedupFilter(input_folder=str(work / "remove")),
+                JsonlWriter(str(work / "final")),
+            ],
+            "final",
+            tasks,
+        ).run()
     steps = {}
     for name in ("filter", "sig", "buckets", "cluster", "final") if minhash else ("filter",):
         steps.update(step_seconds(name))
@@ -184,6 +221,7 @@ def run_datatrove(inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
 
 # ----------------------------------------------------------------------------- dedup only
 
+
 def prepare_dedup(dst: Path, docs: int) -> Path:
     """`dst/docs.jsonl` ({"id": row, "text"}) of the valid rows of a synthetic corpus, and
     `dst/near_misses.json` ((original row, near-miss row) of each planted near miss)."""
@@ -195,8 +233,11 @@ def prepare_dedup(dst: Path, docs: int) -> Path:
         return dst
     synth(dst / "raw", docs=docs, files=4, seed=0)
     m = ingest(dst / "raw", dst / "ing")
-    rows = [r for part in m["parts"] for r in pq.read_table(dst / "ing" / part["file"],
-                                                             columns=["source", "text"]).to_pylist()]
+    rows = [
+        r
+        for part in m["parts"]
+        for r in pq.read_table(dst / "ing" / part["file"], columns=["source", "text"]).to_pylist()
+    ]
     row_of = {r["source"]: i for i, r in enumerate(rows)}
     truth = [json.loads(line) for line in open(dst / "raw" / "_ground_truth.jsonl")]
     misses = [(row_of[t["near_miss_of"]], row_of[t["source"]]) for t in truth if t["category"] == "near_miss"]
@@ -228,7 +269,7 @@ def exact_truth(texts: list[str], low: float = 0.8, chunk: int = 2000) -> dict[t
     mt = m.T.tocsr()
     out = {}
     for lo in range(0, len(texts), chunk):
-        inter = (m[lo:lo + chunk] @ mt).tocoo()                       # shared shingles per pair
+        inter = (m[lo : lo + chunk] @ mt).tocoo()  # shared shingles per pair
         i, j, k = inter.row + lo, inter.col, inter.data
         keep = j > i
         i, j, k = i[keep], j[keep], k[keep]
@@ -261,11 +302,14 @@ def dedup_scores(n: int, removed: set[int], truth: dict, misses: list) -> dict:
         clusters.setdefault(find(d), []).append(d)
     should = sum(len(c) - 1 for c in clusters.values())
     got = sum(min(len(c) - 1, sum(d in removed for d in c)) for c in clusters.values())
-    return {"should_remove": should, "removed": len(removed),
-            "recall": round(got / max(should, 1), 4),
-            "precision": round(sum(d in partner for d in removed) / max(len(removed), 1), 4),
-            # the rewritten member of each planted pair (its original may rightly go as a copy's duplicate)
-            "near_misses_kept": round(sum(b not in removed for _, b in misses) / max(len(misses), 1), 4)}
+    return {
+        "should_remove": should,
+        "removed": len(removed),
+        "recall": round(got / max(should, 1), 4),
+        "precision": round(sum(d in partner for d in removed) / max(len(removed), 1), 4),
+        # the rewritten member of each planted pair (its original may rightly go as a copy's duplicate)
+        "near_misses_kept": round(sum(b not in removed for _, b in misses) / max(len(misses), 1), 4),
+    }
 
 
 def dedup_raypai(inp: Path, work: Path) -> dict:
@@ -279,9 +323,16 @@ def dedup_raypai(inp: Path, work: Path) -> dict:
     t1 = time.perf_counter()
     d = op.find(texts, sigs)
     t2 = time.perf_counter()
-    return {"seconds": t2 - t0, "signature_s": t1 - t0, "removed": d.dropped.tolist(), "input_rss": rss0,
-            "config": f"threshold 0.8, {op.num_bands}x{op.rows_per_band} of {op.num_perm}, verified",
-            "candidates": d.candidates, "verified": d.verified, "exact_checks": int(d.exact.sum())}
+    return {
+        "seconds": t2 - t0,
+        "signature_s": t1 - t0,
+        "removed": d.dropped.tolist(),
+        "input_rss": rss0,
+        "config": f"threshold 0.8, {op.num_bands}x{op.rows_per_band} of {op.num_perm}, verified",
+        "candidates": d.candidates,
+        "verified": d.verified,
+        "exact_checks": int(d.exact.sum()),
+    }
 
 
 def dedup_datasketch(inp: Path, work: Path) -> dict:
@@ -295,18 +346,26 @@ def dedup_datasketch(inp: Path, work: Path) -> dict:
     for i, text in enumerate(texts):
         words = re.findall(r"\w+", text.lower())  # the shingling raypai and the truth use
         m = MinHash(num_perm=128)
-        m.update_batch([" ".join(words[k:k + 5]).encode() for k in range(max(1, len(words) - 4))])
+        m.update_batch([" ".join(words[k : k + 5]).encode() for k in range(max(1, len(words) - 4))])
         if lsh.query(m):
             removed.append(i)
         lsh.insert(str(i), m)
-    return {"seconds": time.perf_counter() - t0, "removed": removed, "input_rss": rss0,
-            "config": f"MinHashLSH threshold 0.8, {lsh.b}x{lsh.r} of 128, unverified"}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "removed": removed,
+        "input_rss": rss0,
+        "config": f"MinHashLSH threshold 0.8, {lsh.b}x{lsh.r} of 128, unverified",
+    }
 
 
 def dedup_datatrove(inp: Path, work: Path) -> dict:
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
-                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
@@ -316,18 +375,38 @@ def dedup_datatrove(inp: Path, work: Path) -> dict:
     cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, hash_config=HashConfig(hash_fc="sha1"))
 
     def ex(pipeline, name, n):
-        LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=1, logging_dir=str(work / "logs" / name),
-                              skip_completed=False).run()
+        LocalPipelineExecutor(
+            pipeline=pipeline, tasks=n, workers=1, logging_dir=str(work / "logs" / name), skip_completed=False
+        ).run()
 
     t0 = time.perf_counter()
-    ex([JsonlReader(str(inp), glob_pattern="docs.jsonl"),
-        MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], "sig", 1)
-    ex([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
-       "buckets", cfg.num_buckets)
-    ex([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
-       "cluster", 1)
-    ex([JsonlReader(str(inp), glob_pattern="docs.jsonl"), MinhashDedupFilter(input_folder=str(work / "remove")),
-        JsonlWriter(str(work / "final"))], "final", 1)
+    ex(
+        [
+            JsonlReader(str(inp), glob_pattern="docs.jsonl"),
+            MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg),
+        ],
+        "sig",
+        1,
+    )
+    ex(
+        [MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
+        "buckets",
+        cfg.num_buckets,
+    )
+    ex(
+        [MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=cfg)],
+        "cluster",
+        1,
+    )
+    ex(
+        [
+            JsonlReader(str(inp), glob_pattern="docs.jsonl"),
+            MinhashDedupFilter(input_folder=str(work / "remove")),
+            JsonlWriter(str(work / "final")),
+        ],
+        "final",
+        1,
+    )
     seconds = time.perf_counter() - t0
     import gzip
 
@@ -336,8 +415,12 @@ def dedup_datatrove(inp: Path, work: Path) -> dict:
         with gzip.open(f, "rt") if f.suffix == ".gz" else open(f) as fh:
             kept.update(int(json.loads(line)["id"]) for line in fh)
     n = sum(1 for _ in open(inp / "docs.jsonl"))
-    return {"seconds": seconds, "removed": sorted(set(range(n)) - kept), "input_rss": rss0,
-            "config": "14x8 of 112 (sha1), unverified"}
+    return {
+        "seconds": seconds,
+        "removed": sorted(set(range(n)) - kept),
+        "input_rss": rss0,
+        "config": "14x8 of 112 (sha1), unverified",
+    }
 
 
 DEDUP_SYSTEMS = {"raypai": dedup_raypai, "datasketch": dedup_datasketch, "datatrove": dedup_datatrove}
@@ -350,17 +433,28 @@ def measure_dedup(system: str, inp: Path, work: Path, truth: dict, misses: list,
     res, sampler, load_before = _run_child(cmd, f"{system} dedup")
     removed = json.loads((work / "result.json").read_text())["removed"]
     secs = res["seconds"]
-    return {"bench": "data_dedup", "system": system, "config": res["config"], "docs": n, "cpus": 1,
-            "seconds": round(secs, 2), "docs_per_s_per_core": round(n / secs, 1),
-            **({"signature_docs_per_s": round(n / res["signature_s"], 1)} if "signature_s" in res else {}),
-            **{k: res[k] for k in ("candidates", "verified", "exact_checks") if k in res},
-            **dedup_scores(n, set(removed), truth, misses),
-            "peak_rss_mb": round(sampler.peak_rss / 2**20), "input_rss_mb": round(res["input_rss"] / 2**20),
-            "peak_pss_mb": round(sampler.peak_pss / 2**20), "cpu_s": round(sampler.cpu_seconds, 1),
-            "load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2)}
+    return {
+        "bench": "data_dedup",
+        "system": system,
+        "config": res["config"],
+        "docs": n,
+        "cpus": 1,
+        "seconds": round(secs, 2),
+        "docs_per_s_per_core": round(n / secs, 1),
+        **({"signature_docs_per_s": round(n / res["signature_s"], 1)} if "signature_s" in res else {}),
+        **{k: res[k] for k in ("candidates", "verified", "exact_checks") if k in res},
+        **dedup_scores(n, set(removed), truth, misses),
+        "peak_rss_mb": round(sampler.peak_rss / 2**20),
+        "input_rss_mb": round(res["input_rss"] / 2**20),
+        "peak_pss_mb": round(sampler.peak_pss / 2**20),
+        "cpu_s": round(sampler.cpu_seconds, 1),
+        "load1_before": round(load_before, 2),
+        "load1_after": round(os.getloadavg()[0], 2),
+    }
 
 
 # ----------------------------------------------------------------------------- parent side
+
 
 class TreeSampler:
     """Samples a process and all its descendants (Ray's GCS, raylet and workers; datatrove's pool):
@@ -396,8 +490,13 @@ class TreeSampler:
 def _run_child(cmd: list[str], what: str) -> tuple[dict, TreeSampler, float]:
     """Run a child, sampling its process tree 4 times a second; (its last JSON line, sampler, load)."""
     load_before = os.getloadavg()[0]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"})
+    child = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"},
+    )
     sampler = TreeSampler(child.pid)
 
     def sample():
@@ -419,25 +518,49 @@ def _run_child(cmd: list[str], what: str) -> tuple[dict, TreeSampler, float]:
 def measure(system: str, corpus: str, inp: Path, work: Path, minhash: bool, cpus: int) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cmd = [sys.executable, __file__, "--child", system, "--input", str(inp), "--work", str(work),
-           "--cpus", str(cpus)] + (["--minhash"] if minhash else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        system,
+        "--input",
+        str(inp),
+        "--work",
+        str(work),
+        "--cpus",
+        str(cpus),
+    ] + (["--minhash"] if minhash else [])
     res, sampler, load_before = _run_child(cmd, f"{system} on {corpus}")
     files = list(inp.glob("*.jsonl"))
     docs = sum(sum(1 for _ in open(f)) for f in files)
     mb = sum(f.stat().st_size for f in files) / 1e6
     secs = res["seconds"]
     config = "filters+minhash" if minhash else "filters"
-    return {"bench": "data_clean", "corpus": corpus, "system": system, "config": config, "docs": docs,
-            "mb": round(mb, 2), "cpus": cpus, "kept": res["kept"], "seconds": round(secs, 2),
-            "docs_per_s": round(docs / secs, 1), "docs_per_s_per_core": round(docs / secs / cpus, 1),
-            "mb_per_s": round(mb / secs, 3), "mb_per_s_per_core": round(mb / secs / cpus, 4),
-            # CPU seconds of the whole process tree, start-up included: robust to other load on the machine
-            "cpu_s": round(sampler.cpu_seconds, 1), "docs_per_cpu_s": round(docs / max(sampler.cpu_seconds, 1e-9), 1),
-            "peak_rss_mb": round(sampler.peak_rss / 2**20), "peak_pss_mb": round(sampler.peak_pss / 2**20),
-            "startup_s": round(res["startup_s"], 2),
-            **({"ingest_s": round(res["ingest_s"], 2)} if "ingest_s" in res else {}),
-            "load1_before": round(load_before, 2), "load1_after": round(os.getloadavg()[0], 2),
-            **({"op_seconds": res["op_seconds"]} if "op_seconds" in res else {})}
+    return {
+        "bench": "data_clean",
+        "corpus": corpus,
+        "system": system,
+        "config": config,
+        "docs": docs,
+        "mb": round(mb, 2),
+        "cpus": cpus,
+        "kept": res["kept"],
+        "seconds": round(secs, 2),
+        "docs_per_s": round(docs / secs, 1),
+        "docs_per_s_per_core": round(docs / secs / cpus, 1),
+        "mb_per_s": round(mb / secs, 3),
+        "mb_per_s_per_core": round(mb / secs / cpus, 4),
+        # CPU seconds of the whole process tree, start-up included: robust to other load on the machine
+        "cpu_s": round(sampler.cpu_seconds, 1),
+        "docs_per_cpu_s": round(docs / max(sampler.cpu_seconds, 1e-9), 1),
+        "peak_rss_mb": round(sampler.peak_rss / 2**20),
+        "peak_pss_mb": round(sampler.peak_pss / 2**20),
+        "startup_s": round(res["startup_s"], 2),
+        **({"ingest_s": round(res["ingest_s"], 2)} if "ingest_s" in res else {}),
+        "load1_before": round(load_before, 2),
+        "load1_after": round(os.getloadavg()[0], 2),
+        **({"op_seconds": res["op_seconds"]} if "op_seconds" in res else {}),
+    }
 
 
 def main() -> None:
@@ -466,11 +589,23 @@ def main() -> None:
         t0 = time.perf_counter()
         truth = exact_truth(texts)
         misses = json.loads((inp / "near_misses.json").read_text())
-        print(json.dumps({"bench": "data_dedup_truth", "docs": len(texts), "pairs_at_0.8": len(truth),
-                          "near_miss_pairs": len(misses), "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "data_dedup_truth",
+                    "docs": len(texts),
+                    "pairs_at_0.8": len(truth),
+                    "near_miss_pairs": len(misses),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
         for system in a.systems.split(",") if a.systems != ap.get_default("systems") else DEDUP_SYSTEMS:
-            print(json.dumps(measure_dedup(system, inp, a.work / "runs" / f"dedup-{system}", truth, misses,
-                                           len(texts))), flush=True)
+            print(
+                json.dumps(measure_dedup(system, inp, a.work / "runs" / f"dedup-{system}", truth, misses, len(texts))),
+                flush=True,
+            )
         return
     if a.child:
         if a.child == "datatrove":

@@ -73,9 +73,17 @@ def _one(args) -> dict:
         t = pq.read_table(Path(args.out) / p["file"], columns=["doc_id", "source"])
         for i, src in zip(t.column("doc_id").to_pylist(), t.column("source").to_pylist()):  # row by row
             digest.update(f"{i} {src}\n".encode())
-    return {"system": args.system, "mb": args.mb, "rows": m["rows"], "parts": len(m["parts"]),
-            "seconds": round(secs, 2), "rows_per_s": round(m["rows"] / secs), "driver_rss_before_mb": round(base, 1),
-            "driver_peak_rss_growth_mb": round(peak - base, 1), "rows_digest": digest.hexdigest()[:16]}
+    return {
+        "system": args.system,
+        "mb": args.mb,
+        "rows": m["rows"],
+        "parts": len(m["parts"]),
+        "seconds": round(secs, 2),
+        "rows_per_s": round(m["rows"] / secs),
+        "driver_rss_before_mb": round(base, 1),
+        "driver_peak_rss_growth_mb": round(peak - base, 1),
+        "rows_digest": digest.hexdigest()[:16],
+    }
 
 
 def main() -> None:
@@ -94,9 +102,25 @@ def main() -> None:
         big.parent.mkdir()
         _make_file(big, args.mb)
         for name in SYSTEMS:
-            out = subprocess.run([sys.executable, __file__, "--system", name, "--mb", str(args.mb), "--block-mb",
-                                  str(args.block_mb), "--input", str(big.parent), "--out", str(Path(tmp) / name)],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--system",
+                    name,
+                    "--mb",
+                    str(args.mb),
+                    "--block-mb",
+                    str(args.block_mb),
+                    "--input",
+                    str(big.parent),
+                    "--out",
+                    str(Path(tmp) / name),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             print(out.strip().splitlines()[-1], flush=True)
 
 

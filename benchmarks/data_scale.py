@@ -50,9 +50,15 @@ from data_clean import prepare_synthetic, run_datatrove
 REPO = Path(__file__).resolve().parents[1]
 # ports away from the defaults (6379 is Redis here; 6380/8265 may be another local cluster); the
 # client port outside the worker ports Ray takes by default (10002-19999)
-CLUSTER_ENV = {"RAYPAI_CLUSTER_PORT": "6391", "RAYPAI_DASHBOARD_PORT": "8291", "RAYPAI_CLIENT_PORT": "20091",
-               "RAYPAI_AGENT_PORT": "52391", "HEAD_CPUS": "1", "WORKER_CPUS": "1",
-               "WORKER_RESOURCES": '{"worker_node": 1}'}
+CLUSTER_ENV = {
+    "RAYPAI_CLUSTER_PORT": "6391",
+    "RAYPAI_DASHBOARD_PORT": "8291",
+    "RAYPAI_CLIENT_PORT": "20091",
+    "RAYPAI_AGENT_PORT": "52391",
+    "HEAD_CPUS": "1",
+    "WORKER_CPUS": "1",
+    "WORKER_RESOURCES": '{"worker_node": 1}',
+}
 
 
 def _status(pid: int | str = "self") -> dict[str, int]:
@@ -73,6 +79,7 @@ def _data_limit(pid: int) -> str:
 
 
 # ----------------------------------------------------------------------------- child side
+
 
 def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bool) -> dict:
     import pyarrow as pa
@@ -102,8 +109,10 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
     # pre-buffering: an allocation refused in one of pyarrow's pool threads aborts the process
     # (seen at 1 CPU) instead of raising here.
     try:
-        texts = [pq.read_table(work / "out" / s["file"], columns=["text"], use_threads=False, pre_buffer=False)
-                 for s in m["shards"]]
+        texts = [
+            pq.read_table(work / "out" / s["file"], columns=["text"], use_threads=False, pre_buffer=False)
+            for s in m["shards"]
+        ]
         held = sum(t.nbytes for t in texts)
         load_fails = False
         del texts
@@ -114,14 +123,23 @@ def child_raypai(inp: Path, work: Path, cpus: int, headroom_mb: int, cluster: bo
     except Exception as e:  # noqa: BLE001 - the figures stand without it; say why it is missing
         placement = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     ray.shutdown()
-    return {"seconds": seconds, "startup_s": t1 - t0, "ingest_s": t_ingest, "kept": m["rows"],
-            "kept_text_bytes": m["text_bytes"], "filter": m["filter"], "placement": placement,
-            "driver_vmdata_at_cap_mb": round(base["VmData"] / 2**20), "driver_cap_mb": round(cap / 2**20),
-            "driver_headroom_mb": headroom_mb, "driver_peak_rss_mb": round(end["VmHWM"] / 2**20),
-            "driver_rss_at_connect_mb": round(base["VmRSS"] / 2**20),
-            "kept_text_load_under_cap": "failed (cap binds)" if load_fails else f"succeeded ({held} bytes)",
-            "driver_free_under_cap_mb": round(free / 2**20),
-            "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]}}
+    return {
+        "seconds": seconds,
+        "startup_s": t1 - t0,
+        "ingest_s": t_ingest,
+        "kept": m["rows"],
+        "kept_text_bytes": m["text_bytes"],
+        "filter": m["filter"],
+        "placement": placement,
+        "driver_vmdata_at_cap_mb": round(base["VmData"] / 2**20),
+        "driver_cap_mb": round(cap / 2**20),
+        "driver_headroom_mb": headroom_mb,
+        "driver_peak_rss_mb": round(end["VmHWM"] / 2**20),
+        "driver_rss_at_connect_mb": round(base["VmRSS"] / 2**20),
+        "kept_text_load_under_cap": "failed (cap binds)" if load_fails else f"succeeded ({held} bytes)",
+        "driver_free_under_cap_mb": round(free / 2**20),
+        "op_seconds": {r["op_name"]: r["seconds"] for r in m["op_stats"]},
+    }
 
 
 def _free_under_cap(step: int = 8 << 20) -> int:
@@ -157,6 +175,7 @@ def _task_placement() -> dict:
 
 # ----------------------------------------------------------------------------- parent side
 
+
 class ProcSampler:
     """Peak RSS per process over the trees under `roots` (the child; both nodes' `ray start`)."""
 
@@ -178,8 +197,13 @@ class ProcSampler:
                     t = p.cpu_times()
                     if self.kind.get(pid) not in ("driver", "worker"):  # a worker is named ray::... once started
                         cmd = " ".join(p.cmdline())
-                        self.kind[pid] = ("driver" if pid == self.roots[0].pid else "worker"
-                                          if cmd.startswith("ray::") or "default_worker.py" in cmd else "ray-system")
+                        self.kind[pid] = (
+                            "driver"
+                            if pid == self.roots[0].pid
+                            else "worker"
+                            if cmd.startswith("ray::") or "default_worker.py" in cmd
+                            else "ray-system"
+                        )
                     self.limit[pid] = _data_limit(pid)
             except (psutil.Error, OSError):
                 continue
@@ -192,14 +216,16 @@ class ProcSampler:
         by = {}
         for pid, kind in self.kind.items():
             by.setdefault(kind, []).append(self.peak.get(pid, 0))
-        return {"worker_processes": len(by.get("worker", [])),
-                "worker_peak_rss_mb_max": round(max(by.get("worker", [0])) / 2**20),
-                "worker_peak_rss_mb_median": round(sorted(by.get("worker", [0]))[len(by.get("worker", [0])) // 2] / 2**20),
-                "ray_system_peak_rss_mb_max": round(max(by.get("ray-system", [0])) / 2**20),
-                "tree_peak_rss_mb_sum": round(self.peak_sum / 2**20),
-                "cpu_s": round(sum(self.cpu.values()), 1),
-                # a Ray process under the driver's RLIMIT_DATA would show its value here
-                "ray_data_limits": sorted({v for pid, v in self.limit.items() if self.kind.get(pid) != "driver"})}
+        return {
+            "worker_processes": len(by.get("worker", [])),
+            "worker_peak_rss_mb_max": round(max(by.get("worker", [0])) / 2**20),
+            "worker_peak_rss_mb_median": round(sorted(by.get("worker", [0]))[len(by.get("worker", [0])) // 2] / 2**20),
+            "ray_system_peak_rss_mb_max": round(max(by.get("ray-system", [0])) / 2**20),
+            "tree_peak_rss_mb_sum": round(self.peak_sum / 2**20),
+            "cpu_s": round(sum(self.cpu.values()), 1),
+            # a Ray process under the driver's RLIMIT_DATA would show its value here
+            "ray_data_limits": sorted({v for pid, v in self.limit.items() if self.kind.get(pid) != "driver"}),
+        }
 
 
 def _children(p: psutil.Process) -> list[psutil.Process]:
@@ -229,8 +255,9 @@ def run_child(cmd: list[str], env: dict, roots_extra: list[int]) -> tuple[dict, 
 
 
 def cluster(cmd: str, env: dict) -> None:
-    subprocess.run([str(REPO / "infra" / "local-cluster.sh"), cmd], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [str(REPO / "infra" / "local-cluster.sh"), cmd], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
+    )
 
 
 def measure(system: str, inp: Path, work: Path, headroom_mb: int, docs: int, mb: float) -> dict:
@@ -245,12 +272,27 @@ def measure(system: str, inp: Path, work: Path, headroom_mb: int, docs: int, mb:
         env |= CLUSTER_ENV | {"RAYPAI_CLUSTER_DIR": str(cdir)}
         cluster("up", env)
         roots = [int((cdir / f"{n}.pid").read_text()) for n in ("head", "worker")]
-        env |= {"RAY_ADDRESS": f"127.0.0.1:{CLUSTER_ENV['RAYPAI_CLUSTER_PORT']}", "RAY_AUTH_MODE": "token",
-                "RAY_AUTH_TOKEN_PATH": str(cdir / "auth_token"),
-                "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{CLUSTER_ENV['RAYPAI_DASHBOARD_PORT']}"}
+        env |= {
+            "RAY_ADDRESS": f"127.0.0.1:{CLUSTER_ENV['RAYPAI_CLUSTER_PORT']}",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(cdir / "auth_token"),
+            "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{CLUSTER_ENV['RAYPAI_DASHBOARD_PORT']}",
+        }
     cpus = 1 if system == "1node-1cpu" else 2
-    cmd = [sys.executable, __file__, "--child", system, "--input", str(inp), "--work", str(work),
-           "--cpus", str(cpus), "--driver-headroom-mb", str(headroom_mb)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        system,
+        "--input",
+        str(inp),
+        "--work",
+        str(work),
+        "--cpus",
+        str(cpus),
+        "--driver-headroom-mb",
+        str(headroom_mb),
+    ]
     load = os.getloadavg()[0]
     try:
         res, sampler = run_child(cmd, env, roots)
@@ -258,11 +300,23 @@ def measure(system: str, inp: Path, work: Path, headroom_mb: int, docs: int, mb:
         if system == "2node":
             cluster("down", env)
     secs = res.pop("seconds")
-    return {"bench": "data_scale", "system": "datatrove" if system == "datatrove" else "raypai", "config": system,
-            "docs": docs, "mb": round(mb, 1), "cpus": cpus, "kept": res.pop("kept"), "seconds": round(secs, 2),
-            "docs_per_s": round(docs / secs, 1), "mb_per_s": round(mb / secs, 3),
-            "startup_s": round(res.pop("startup_s"), 2), **sampler.summary(),
-            "load1_before": round(load, 2), "load1_after": round(os.getloadavg()[0], 2), **res}
+    return {
+        "bench": "data_scale",
+        "system": "datatrove" if system == "datatrove" else "raypai",
+        "config": system,
+        "docs": docs,
+        "mb": round(mb, 1),
+        "cpus": cpus,
+        "kept": res.pop("kept"),
+        "seconds": round(secs, 2),
+        "docs_per_s": round(docs / secs, 1),
+        "mb_per_s": round(mb / secs, 3),
+        "startup_s": round(res.pop("startup_s"), 2),
+        **sampler.summary(),
+        "load1_before": round(load, 2),
+        "load1_after": round(os.getloadavg()[0], 2),
+        **res,
+    }
 
 
 def main() -> None:
@@ -288,9 +342,13 @@ def main() -> None:
     mb = sum(f.stat().st_size for f in files) / 1e6
     for system in a.systems.split(","):
         try:
-            print(json.dumps(measure(system, inp, a.work / "runs" / system, a.driver_headroom_mb, docs, mb)), flush=True)
+            print(
+                json.dumps(measure(system, inp, a.work / "runs" / system, a.driver_headroom_mb, docs, mb)), flush=True
+            )
         except (SystemExit, Exception) as e:  # one system failing still leaves the others' figures
-            print(json.dumps({"bench": "data_scale", "config": system, "error": f"{type(e).__name__}: {e}"}), flush=True)
+            print(
+                json.dumps({"bench": "data_scale", "config": system, "error": f"{type(e).__name__}: {e}"}), flush=True
+            )
 
 
 if __name__ == "__main__":

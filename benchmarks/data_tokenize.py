@@ -62,11 +62,18 @@ def _one(args) -> dict:
     run(ds, tok, Path(f"{out}-again"), **kwargs)  # a second call: Ray's workers already started and warm
     warm = time.perf_counter() - t0
     tokens = m["num_tokens"] + m["num_eval_blocks"] * 128
-    return {"system": args.system, "workers": args.workers, "seconds": round(secs, 2),
-            "tokens": tokens, "tokens_per_s": round(tokens / secs),
-            "seconds_second_call": round(warm, 2), "tokens_per_s_second_call": round(tokens / warm),
-            "driver_peak_rss_growth_mb": round(peak - before, 1),
-            "content_sha256": m["content_sha256"][:16], "work": m.get("work")}
+    return {
+        "system": args.system,
+        "workers": args.workers,
+        "seconds": round(secs, 2),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / secs),
+        "seconds_second_call": round(warm, 2),
+        "tokens_per_s_second_call": round(tokens / warm),
+        "driver_peak_rss_growth_mb": round(peak - before, 1),
+        "content_sha256": m["content_sha256"][:16],
+        "work": m.get("work"),
+    }
 
 
 def main() -> None:
@@ -91,9 +98,22 @@ def main() -> None:
     train_tokenizer(ds, tmp / "tok", vocab_size=2048, sample_bytes=4 << 20)
     digests = set()
     for system, workers in (("reference", 1), ("tasks_in_process", 1), ("ray_tasks", 1), ("ray_tasks", 2)):
-        cmd = [sys.executable, __file__, "--system", system, "--workers", str(workers), "--task-bytes",
-               str(args.task_bytes), "--dataset", str(ds), "--tokenizer", str(tmp / "tok"),
-               "--out", str(tmp / f"out-{system}-{workers}")]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--system",
+            system,
+            "--workers",
+            str(workers),
+            "--task-bytes",
+            str(args.task_bytes),
+            "--dataset",
+            str(ds),
+            "--tokenizer",
+            str(tmp / "tok"),
+            "--out",
+            str(tmp / f"out-{system}-{workers}"),
+        ]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         result = json.loads(line)
         digests.add(result["content_sha256"])

@@ -60,9 +60,19 @@ _import_raypai()
 import torch  # noqa: E402
 
 from raypai.alignment._tensors import token_logprobs  # noqa: E402
-from raypai.alignment.losses import (ChosenRejected, bradley_terry_loss, clipped_surrogate,  # noqa: E402
-                                     clipped_value_loss, dpo_loss, gae, grpo_advantages, grpo_loss, k3_kl,
-                                     kl_penalized_rewards, masked_whiten)
+from raypai.alignment.losses import (
+    ChosenRejected,
+    bradley_terry_loss,
+    clipped_surrogate,  # noqa: E402
+    clipped_value_loss,
+    dpo_loss,
+    gae,
+    grpo_advantages,
+    grpo_loss,
+    k3_kl,
+    kl_penalized_rewards,
+    masked_whiten,
+)
 
 RESULTS: list[dict] = []
 
@@ -84,19 +94,41 @@ def _losses(device: str, dtype: torch.dtype, seed: int = 0, through: torch.dtype
 
     mask = (torch.rand(B, T, generator=g) > 0.2).to(device, dtype)
     lp, old, ref, values = t(B, T) * 0.1 - 2, t(B, T) * 0.1 - 2, t(B, T) * 0.1 - 2, t(B, T)
-    return [dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1).loss,
-            dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1, loss_type="ipo",
-                     lengths=ChosenRejected(t(B).abs() + 1, t(B).abs() + 1)).loss,
-            bradley_terry_loss(t(B), t(B), margin=0.5)[0],
-            grpo_advantages(t(B), 4), k3_kl(lp, ref),
-            grpo_loss(lp, old, ref, t(B), mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.04, aggregation="dapo")[0],
-            clipped_surrogate(lp, old, t(B, T), clip_eps=0.2)[0], masked_whiten(lp, mask),
-            kl_penalized_rewards(t(B), lp, ref, mask, 0.05), *gae(t(B, T), values, mask, 1.0, 0.95),
-            clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2)]
+    return [
+        dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1).loss,
+        dpo_loss(
+            ChosenRejected(t(B), t(B)),
+            ChosenRejected(t(B), t(B)),
+            beta=0.1,
+            loss_type="ipo",
+            lengths=ChosenRejected(t(B).abs() + 1, t(B).abs() + 1),
+        ).loss,
+        bradley_terry_loss(t(B), t(B), margin=0.5)[0],
+        grpo_advantages(t(B), 4),
+        k3_kl(lp, ref),
+        grpo_loss(lp, old, ref, t(B), mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.04, aggregation="dapo")[0],
+        clipped_surrogate(lp, old, t(B, T), clip_eps=0.2)[0],
+        masked_whiten(lp, mask),
+        kl_penalized_rewards(t(B), lp, ref, mask, 0.05),
+        *gae(t(B, T), values, mask, 1.0, 0.95),
+        clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2),
+    ]
 
 
-LOSS_NAMES = ["dpo_sigmoid", "dpo_ipo", "bradley_terry", "grpo_advantages", "k3_kl", "grpo_loss", "clipped_surrogate",
-              "masked_whiten", "kl_penalized_rewards", "gae_advantages", "gae_returns", "clipped_value_loss"]
+LOSS_NAMES = [
+    "dpo_sigmoid",
+    "dpo_ipo",
+    "bradley_terry",
+    "grpo_advantages",
+    "k3_kl",
+    "grpo_loss",
+    "clipped_surrogate",
+    "masked_whiten",
+    "kl_penalized_rewards",
+    "gae_advantages",
+    "gae_returns",
+    "clipped_value_loss",
+]
 
 
 def check_losses() -> None:
@@ -106,23 +138,43 @@ def check_losses() -> None:
     got = _losses("cuda", torch.float32)
     on_device = all(o.device.type == "cuda" and o.dtype == torch.float32 for o in got)
     worst = max(float(((o.cpu() - c).abs() / (c.abs() + 1)).max()) for o, c in zip(got, cpu))
-    emit(check="losses_cuda_float32", ok=on_device and worst <= 1e-4, outputs=len(got),
-         on_inputs_device_and_dtype=on_device, max_rel_diff_vs_cpu=worst)
+    emit(
+        check="losses_cuda_float32",
+        ok=on_device and worst <= 1e-4,
+        outputs=len(got),
+        on_inputs_device_and_dtype=on_device,
+        max_rel_diff_vs_cpu=worst,
+    )
     ref = _losses("cpu", torch.float32, through=torch.bfloat16)
     got = _losses("cuda", torch.bfloat16)
     on_device = all(o.device.type == "cuda" and o.dtype == torch.bfloat16 for o in got)
     finite = all(torch.isfinite(o.float()).all() for o in got)
-    diffs = {n: round(float(((o.float().cpu() - c).abs() / (c.abs() + 1)).max()), 4)
-             for n, o, c in zip(LOSS_NAMES, got, ref)}
-    emit(check="losses_cuda_bfloat16", ok=on_device and finite, outputs=len(got), on_inputs_device_and_dtype=on_device,
-         finite=finite, rel_diff_vs_fp32_on_same_inputs=diffs)
+    diffs = {
+        n: round(float(((o.float().cpu() - c).abs() / (c.abs() + 1)).max()), 4) for n, o, c in zip(LOSS_NAMES, got, ref)
+    }
+    emit(
+        check="losses_cuda_bfloat16",
+        ok=on_device and finite,
+        outputs=len(got),
+        on_inputs_device_and_dtype=on_device,
+        finite=finite,
+        rel_diff_vs_fp32_on_same_inputs=diffs,
+    )
 
 
 def _tiny(family: str, vocab: int = 256):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     cfg = LlamaConfig(**common) if family == "llama" else Qwen2Config(**common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
@@ -174,8 +226,13 @@ def _train(family: str, device: str, steps: int, autocast: bool) -> dict:
     out.loss.backward()
     dpo_ok = torch.isfinite(out.loss).item() and abs(float(out.loss) - 0.6931) < 1e-2  # policy == reference: log 2
     steady = sorted(times[2:])[len(times[2:]) // 2]
-    return {"first_loss": losses[0], "last_loss": losses[-1], "grads_finite": bool(finite), "dpo_at_reference_is_log2": dpo_ok,
-            "median_step_s": steady}
+    return {
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "grads_finite": bool(finite),
+        "dpo_at_reference_is_log2": dpo_ok,
+        "median_step_s": steady,
+    }
 
 
 def check_training(steps: int = 40) -> None:
@@ -183,12 +240,19 @@ def check_training(steps: int = 40) -> None:
         gpu = _train(family, "cuda", steps, autocast=True)
         cpu = _train(family, "cpu", 6, autocast=False)
         ok = gpu["last_loss"] < 0.5 * gpu["first_loss"] and gpu["grads_finite"] and gpu["dpo_at_reference_is_log2"]
-        emit(check=f"train_{family}_cuda_bf16_autocast", ok=ok, steps=steps, **gpu,
-             cpu_median_step_s=cpu["median_step_s"], speedup_vs_cpu=cpu["median_step_s"] / gpu["median_step_s"])
+        emit(
+            check=f"train_{family}_cuda_bf16_autocast",
+            ok=ok,
+            steps=steps,
+            **gpu,
+            cpu_median_step_s=cpu["median_step_s"],
+            speedup_vs_cpu=cpu["median_step_s"] / gpu["median_step_s"],
+        )
 
 
 class _Tok:
     """The engine needs a tokenizer only to decode and for its pad id: ids as text."""
+
     pad_token_id = 0
 
     def decode(self, ids, skip_special_tokens=True):
@@ -233,8 +297,14 @@ def check_serving() -> None:
     gpu_text, gpu_s, gpu_tokens = _engine_run(model, prompts, 48, stop)
     same = sum(a == b for a, b in zip(cpu_text, gpu_text))
     # greedy on two devices can part where two logits tie within float error: most rows must agree
-    emit(check="serving_engine_cuda_greedy_matches_cpu", ok=same >= len(prompts) - 1, rows=len(prompts),
-         rows_equal=same, cpu_tokens_per_s=cpu_tokens / cpu_s, cuda_tokens_per_s=gpu_tokens / gpu_s)
+    emit(
+        check="serving_engine_cuda_greedy_matches_cpu",
+        ok=same >= len(prompts) - 1,
+        rows=len(prompts),
+        rows_equal=same,
+        cpu_tokens_per_s=cpu_tokens / cpu_s,
+        cuda_tokens_per_s=gpu_tokens / gpu_s,
+    )
     out = generate_batch(model, _Tok(), [GenRequest(p, 8, 0.0) for p in prompts[:4]], stop)
     emit(check="serving_generate_batch_cuda", ok=all(r.completion_tokens > 0 for r in out), rows=len(out))
 
@@ -243,9 +313,16 @@ def _qwen2_half_b():
     """Qwen2-0.5B's shape (24 layers, hidden 896, 14/2 heads, vocab 151,936: 494M parameters), random init."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
 
@@ -253,7 +330,9 @@ def _qwen2_half_b():
 def _random_prompts(n: int = 64) -> list[list[int]]:
     """n prompts of 16–47 random token ids (the same ones for every check)."""
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(10, 150000, (int(k),), generator=g).tolist() for k in torch.randint(16, 48, (n,), generator=g)]
+    return [
+        torch.randint(10, 150000, (int(k),), generator=g).tolist() for k in torch.randint(16, 48, (n,), generator=g)
+    ]
 
 
 def _rollout_engines(model, prompts: list[list[int]], stop: list[int]) -> dict:
@@ -265,13 +344,30 @@ def _rollout_engines(model, prompts: list[list[int]], stop: list[int]) -> dict:
         ids, att = left_pad(prompts, 0, "cuda")
         kw = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_k": 0}
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, eos_token_id=stop,
-                                 pad_token_id=0, min_new_tokens=max_new, **kw)
-        return [row[ids.shape[1]:].tolist() for row in out.cpu()]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=att,
+                max_new_tokens=max_new,
+                eos_token_id=stop,
+                pad_token_id=0,
+                min_new_tokens=max_new,
+                **kw,
+            )
+        return [row[ids.shape[1] :].tolist() for row in out.cpu()]
 
     def raypai(static: bool):
-        return lambda temperature, max_new: decode(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=max_new,
-                                                   temperature=temperature, logprobs=True, static=static).tokens
+        return lambda temperature, max_new: (
+            decode(
+                model,
+                prompts,
+                pad_id=0,
+                stop_ids=stop,
+                max_new_tokens=max_new,
+                temperature=temperature,
+                logprobs=True,
+                static=static,
+            ).tokens
+        )
 
     return {"hf_generate": hf, "raypai_eager": raypai(False), "raypai_cuda_graph": raypai(True)}
 
@@ -302,29 +398,49 @@ def check_rollout(new_tokens: int = 128) -> None:
     engines = _rollout_engines(model, distinct[:16], stop)
     greedy = {name: fn(0.0, 16) for name, fn in engines.items()}
     same = {name: sum(a == b for a, b in zip(greedy["hf_generate"], toks)) for name, toks in greedy.items()}
-    d = decode(model, distinct[:16], pad_id=0, stop_ids=stop, max_new_tokens=16, logprobs=True, static=True,
-               generator=torch.Generator("cuda").manual_seed(1))
+    d = decode(
+        model,
+        distinct[:16],
+        pad_id=0,
+        stop_ids=stop,
+        max_new_tokens=16,
+        logprobs=True,
+        static=True,
+        generator=torch.Generator("cuda").manual_seed(1),
+    )
     seqs = [p + t for p, t in zip(distinct[:16], d.tokens)]
     width = max(map(len, seqs))
     x = torch.zeros((16, width), dtype=torch.long)
     att = torch.zeros((16, width), dtype=torch.long)
     for i, sq in enumerate(seqs):
-        x[i, :len(sq)], att[i, :len(sq)] = torch.tensor(sq), 1
+        x[i, : len(sq)], att[i, : len(sq)] = torch.tensor(sq), 1
     with torch.no_grad():
         full = token_logprobs(model, x.cuda(), att.cuda(), lean=False)
-    lp_diff = max(float((lp.cuda() - full[i, len(p) - 1:len(p) - 1 + len(lp)]).abs().max())
-                  for i, (p, lp) in enumerate(zip(distinct[:16], d.logprobs)))
-    emit(check="rollout_engines_fp32_agree", ok=same["raypai_eager"] >= 15 and same["raypai_cuda_graph"] >= 15
-         and lp_diff < 1e-3, rows=16, greedy_rows_equal_to_hf=same, graph_logprob_max_abs_diff=lp_diff)
+    lp_diff = max(
+        float((lp.cuda() - full[i, len(p) - 1 : len(p) - 1 + len(lp)]).abs().max())
+        for i, (p, lp) in enumerate(zip(distinct[:16], d.logprobs))
+    )
+    emit(
+        check="rollout_engines_fp32_agree",
+        ok=same["raypai_eager"] >= 15 and same["raypai_cuda_graph"] >= 15 and lp_diff < 1e-3,
+        rows=16,
+        greedy_rows_equal_to_hf=same,
+        graph_logprob_max_abs_diff=lp_diff,
+    )
 
     model = model.to(torch.bfloat16)
     for label, prompts in (("64_distinct", distinct), ("64x8_grouped", [p for p in distinct for _ in range(8)])):
         rates = {name: _tokens_per_s(fn, new_tokens) for name, fn in _rollout_engines(model, prompts, stop).items()}
-        emit(check=f"rollout_qwen2_0.5b_bf16_{label}", ok=True, params_m=round(n_params / 1e6, 1), rows=len(prompts),
-             new_tokens=new_tokens, tokens_per_s={k: round(v) for k, v in rates.items()},
-             graph_vs_hf=round(rates["raypai_cuda_graph"] / rates["hf_generate"], 2),
-             eager_vs_hf=round(rates["raypai_eager"] / rates["hf_generate"], 2))
-
+        emit(
+            check=f"rollout_qwen2_0.5b_bf16_{label}",
+            ok=True,
+            params_m=round(n_params / 1e6, 1),
+            rows=len(prompts),
+            new_tokens=new_tokens,
+            tokens_per_s={k: round(v) for k, v in rates.items()},
+            graph_vs_hf=round(rates["raypai_cuda_graph"] / rates["hf_generate"], 2),
+            eager_vs_hf=round(rates["raypai_eager"] / rates["hf_generate"], 2),
+        )
 
 
 def _update_once(model, x, m, resp, adv, lean: bool, grpo_loss) -> None:
@@ -377,20 +493,31 @@ def check_attention() -> None:
     forms = {
         "grouped_heads_under_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
         "repeated_heads_under_mask": lambda: F.scaled_dot_product_attention(
-            q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), attn_mask=mask),
-        "grouped_heads_causal_whole_rows": lambda: F.scaled_dot_product_attention(qf, k, v, is_causal=True,
-                                                                                  enable_gqa=True),
+            q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), attn_mask=mask
+        ),
+        "grouped_heads_causal_whole_rows": lambda: F.scaled_dot_product_attention(
+            qf, k, v, is_causal=True, enable_gqa=True
+        ),
     }
     with torch.no_grad():
-        same = float((forms["grouped_heads_under_mask"]().float() - forms["repeated_heads_under_mask"]().float()).abs().max())
-    backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+        same = float(
+            (forms["grouped_heads_under_mask"]().float() - forms["repeated_heads_under_mask"]().float()).abs().max()
+        )
+    backends = {
+        "default": None,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     table = {}
     for form, fn in forms.items():
         table[form] = {}
         for label, backend in backends.items():
+
             def once():
                 fn().float().sum().backward()
+
             try:
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     once()
@@ -404,8 +531,12 @@ def check_attention() -> None:
                 table[form][label] = round(sorted(times)[5] * 1e3, 3)
             except RuntimeError as exc:
                 table[form][label] = f"refused: {str(exc).splitlines()[0][:120]}"
-    emit(check="sdpa_grouped_attention_bf16_fwd_bwd_ms", ok=same < 0.05, max_abs_diff_repeated_vs_grouped=same,
-         ms_by_backend=table)
+    emit(
+        check="sdpa_grouped_attention_bf16_fwd_bwd_ms",
+        ok=same < 0.05,
+        max_abs_diff_repeated_vs_grouped=same,
+        ms_by_backend=table,
+    )
 
 
 def check_update(new_tokens: int = 128, rounds: int = 4) -> None:
@@ -428,8 +559,8 @@ def check_update(new_tokens: int = 128, rounds: int = 4) -> None:
     m = torch.zeros((64, width), dtype=torch.long)
     resp = torch.zeros((64, width - 1))
     for i, (p, sq) in enumerate(zip(prompts, seqs)):
-        x[i, :len(sq)], m[i, :len(sq)] = torch.tensor(sq), 1
-        resp[i, len(p) - 1:len(sq) - 1] = 1
+        x[i, : len(sq)], m[i, : len(sq)] = torch.tensor(sq), 1
+        resp[i, len(p) - 1 : len(sq) - 1] = 1
     x, m, resp = x.cuda(), m.cuda(), resp.cuda()
     adv = torch.randn(64).cuda()
 
@@ -464,10 +595,19 @@ def check_update(new_tokens: int = 128, rounds: int = 4) -> None:
     for name, lean in (("model_forward", False), ("raypai_lean", True)):
         ts = sorted(times[name])
         step = ts[len(ts) // 2]
-        emit(check=f"grpo_update_qwen2_0.5b_bf16_autocast_{name}", ok=bool(torch.isfinite(loss).item()), rows=64,
-             tokens=int(m.sum()), rounds=rounds, median_step_s=round(step, 4), min_step_s=round(ts[0], 4),
-             max_step_s=round(ts[-1], 4), tokens_per_s=round(int(m.sum()) / step), peak_memory_gb=round(peak[name], 2),
-             top_kernels=_top_kernels(lambda: _update_once(model, x, m, resp, adv, lean, grpo_loss)))
+        emit(
+            check=f"grpo_update_qwen2_0.5b_bf16_autocast_{name}",
+            ok=bool(torch.isfinite(loss).item()),
+            rows=64,
+            tokens=int(m.sum()),
+            rounds=rounds,
+            median_step_s=round(step, 4),
+            min_step_s=round(ts[0], 4),
+            max_step_s=round(ts[-1], 4),
+            tokens_per_s=round(int(m.sum()) / step),
+            peak_memory_gb=round(peak[name], 2),
+            top_kernels=_top_kernels(lambda: _update_once(model, x, m, resp, adv, lean, grpo_loss)),
+        )
     check_offload(model, opt)
 
 
@@ -485,15 +625,27 @@ def check_offload(model, opt) -> None:
         slept = sleep(model, opt)
         freed = resident - torch.cuda.memory_allocated()
         wake_s = slept.wake()
-        rows.append({"gb": round(slept.bytes / 1e9, 3), "sleep_s": round(slept.seconds, 4), "wake_s": round(wake_s, 4),
-                     "freed_gb": round(freed / 1e9, 3)})
+        rows.append(
+            {
+                "gb": round(slept.bytes / 1e9, 3),
+                "sleep_s": round(slept.seconds, 4),
+                "wake_s": round(wake_s, 4),
+                "freed_gb": round(freed / 1e9, 3),
+            }
+        )
     exact = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     on_gpu = all(p.is_cuda for p in model.parameters()) and all(
-        t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-    emit(check="offload_sleep_wake_qwen2_0.5b_fp32_adamw", ok=exact and on_gpu and rows[-1]["freed_gb"] >= 0.9 * rows[-1]["gb"],
-         bitwise_equal_after_wake=exact, back_on_gpu=on_gpu, rounds=rows,
-         sleep_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["sleep_s"], 1e-9), 1),
-         wake_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["wake_s"], 1e-9), 1))
+        t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0
+    )
+    emit(
+        check="offload_sleep_wake_qwen2_0.5b_fp32_adamw",
+        ok=exact and on_gpu and rows[-1]["freed_gb"] >= 0.9 * rows[-1]["gb"],
+        bitwise_equal_after_wake=exact,
+        back_on_gpu=on_gpu,
+        rounds=rows,
+        sleep_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["sleep_s"], 1e-9), 1),
+        wake_gb_per_s=round(rows[-1]["gb"] / max(rows[-1]["wake_s"], 1e-9), 1),
+    )
 
 
 def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
@@ -547,35 +699,52 @@ def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
         exact_wake &= all(torch.equal(v, before[k]) for k, v in policy.engine.module.state_dict().items())
         ref, r["reference_s"] = timed(lambda: reference.logprobs(out["batch"]))
         adv = torch.randn(64)
-        m, r["train_s"] = timed(lambda: policy.grpo_step(out["batch"], None, ref, adv, 0.2, None, 0.0, "dapo",
-                                                        new_tokens))
+        m, r["train_s"] = timed(
+            lambda: policy.grpo_step(out["batch"], None, ref, adv, 0.2, None, 0.0, "dapo", new_tokens)
+        )
         r["tokens"] = int(out["batch"]["response_mask"].sum())
         r["grad_norm"] = round(m["grad_norm"], 4)
         r["offload_gb"] = round(off["offload_bytes"] / 1e9, 2)
         rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
     steady = rows[1:]
-    med = {k: sorted(x[k] for x in steady)[len(steady) // 2] for k in ("sync_s", "sleep_s", "rollout_s", "wake_s",
-                                                                        "reference_s", "train_s")}
+    med = {
+        k: sorted(x[k] for x in steady)[len(steady) // 2]
+        for k in ("sync_s", "sleep_s", "rollout_s", "wake_s", "reference_s", "train_s")
+    }
     step_s = sum(med.values())
     hf = Rollout(folder, device="cuda", engine="hf")
     hf.load_shared(policy.write_shared())
     hf.generate(prompts[:1], n=2, max_new_tokens=4)  # warm-up
     out, hf_s = timed(lambda: hf.generate(prompts, n=8, max_new_tokens=new_tokens))
-    emit(check="colocated_gpu_roles_grpo_qwen2_0.5b", ok=exact_sync and exact_wake and all(
-        math.isfinite(x["grad_norm"]) for x in rows), steps=steps, rows_per_step=64,
-         replica_equals_trainer_in_bf16_after_every_sync=exact_sync, trainer_bitwise_equal_after_every_wake=exact_wake,
-         steady_median_s=med, step_s=round(step_s, 3), samples_per_s=round(64 / step_s, 1),
-         generated_tokens_per_s=round(steady[-1]["tokens"] / med["rollout_s"]),
-         hf_engine_rollout_s=round(hf_s, 3), hf_engine_tokens_per_s=round(int(out["batch"]["response_mask"].sum()) / hf_s),
-         per_step=rows, peak_memory_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    emit(
+        check="colocated_gpu_roles_grpo_qwen2_0.5b",
+        ok=exact_sync and exact_wake and all(math.isfinite(x["grad_norm"]) for x in rows),
+        steps=steps,
+        rows_per_step=64,
+        replica_equals_trainer_in_bf16_after_every_sync=exact_sync,
+        trainer_bitwise_equal_after_every_wake=exact_wake,
+        steady_median_s=med,
+        step_s=round(step_s, 3),
+        samples_per_s=round(64 / step_s, 1),
+        generated_tokens_per_s=round(steady[-1]["tokens"] / med["rollout_s"]),
+        hf_engine_rollout_s=round(hf_s, 3),
+        hf_engine_tokens_per_s=round(int(out["batch"]["response_mask"].sum()) / hf_s),
+        per_step=rows,
+        peak_memory_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    )
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         emit(check="cuda_available", ok=False, reason="no CUDA device: run this on a GPU machine")
         return 1
-    emit(check="device", ok=True, name=torch.cuda.get_device_name(0), torch=torch.__version__,
-         transformers=__import__("transformers").__version__)
+    emit(
+        check="device",
+        ok=True,
+        name=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+    )
     checks = (check_losses, check_training, check_serving, check_rollout, check_attention, check_update, check_roles)
     if len(sys.argv) > 1:
         checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")

@@ -59,13 +59,19 @@ def bare_loop(cfg: PretrainConfig, tokens: np.ndarray, warm: int = 3) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.model.vocab_size, eos_id=0)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(
-        s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: lr_multiplier(
+            s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio
+        ),
+    )
     rng = np.random.default_rng(cfg.seed)
     times = []
     for step in range(cfg.steps):
-        xs = [torch.from_numpy(tokens[rng.integers(0, len(tokens), cfg.micro_batch)]).long()  # (b, T)
-              for _ in range(cfg.grad_accum)]
+        xs = [
+            torch.from_numpy(tokens[rng.integers(0, len(tokens), cfg.micro_batch)]).long()  # (b, T)
+            for _ in range(cfg.grad_accum)
+        ]
         t0 = time.perf_counter()
         for x in xs:  # gradient accumulation, as DeepSpeed does it: mean of the micro-batch losses
             loss = model(input_ids=x, labels=x).loss / cfg.grad_accum
@@ -127,9 +133,12 @@ def main() -> None:
     ap.add_argument("--ckpt-model-hidden", type=int, default=512)
     ap.add_argument("--ckpt-steps", type=int, default=24)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (both sides)")
-    ap.add_argument("--zero-stages", default="0,2",
-                    help="ZeRO stages for the throughput runs, comma-separated (0: what strategy='auto' picks when "
-                         "the state fits per worker, as here; 2: partitioned gradients and optimizer state)")
+    ap.add_argument(
+        "--zero-stages",
+        default="0,2",
+        help="ZeRO stages for the throughput runs, comma-separated (0: what strategy='auto' picks when "
+        "the state fits per worker, as here; 2: partitioned gradients and optimizer state)",
+    )
     ap.add_argument("--ckpt-zero-stage", type=int, default=2, choices=(0, 1, 2))
     ap.add_argument("--skip-checkpoint", action="store_true", help="throughput only, no checkpoint-stall runs")
     ap.add_argument("--only-checkpoint", action="store_true", help="checkpoint-stall runs only")
@@ -145,18 +154,46 @@ def main() -> None:
     shards = work / "shards"
     write_token_shards(shards, vocab=2048, block=128, blocks=1024)
     tokens = load_blocks(shards, "train")[1]
-    model = ModelConfig(layers=4, hidden=args.hidden, heads=4, kv_heads=4, intermediate=args.hidden * 8 // 3,
-                        max_positions=128, vocab_size=2048)
+    model = ModelConfig(
+        layers=4,
+        hidden=args.hidden,
+        heads=4,
+        kv_heads=4,
+        intermediate=args.hidden * 8 // 3,
+        max_positions=128,
+        vocab_size=2048,
+    )
     torch.set_num_threads(1)  # the workers' thread count: the peak is per worker
     peak = measure_peak_flops(1.0)
-    base = PretrainConfig(model=model, steps=args.steps, warmup_steps=5, micro_batch=8, grad_accum=args.grad_accum,
-                          lr=1e-3, zero_stage=args.ckpt_zero_stage, deepspeed_config=json.loads(args.deepspeed),
-                          workers=2, threads_per_worker=1, eval_every=args.steps, eval_blocks=8,
-                          checkpoint_every=10**6, log_every=10, peak_flops_per_worker=peak, memory_budget_gb=8)
+    base = PretrainConfig(
+        model=model,
+        steps=args.steps,
+        warmup_steps=5,
+        micro_batch=8,
+        grad_accum=args.grad_accum,
+        lr=1e-3,
+        zero_stage=args.ckpt_zero_stage,
+        deepspeed_config=json.loads(args.deepspeed),
+        workers=2,
+        threads_per_worker=1,
+        eval_every=args.steps,
+        eval_blocks=8,
+        checkpoint_every=10**6,
+        log_every=10,
+        peak_flops_per_worker=peak,
+        memory_budget_gb=8,
+    )
     n_params = sum(p.numel() for p in build_model(model, 2048).parameters())
-    common = {"n_params": n_params, "micro_batch": base.micro_batch, "grad_accum": base.grad_accum, "seq_len": 128,
-              "threads_per_worker": 1,
-              "steps": args.steps, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+    common = {
+        "n_params": n_params,
+        "micro_batch": base.micro_batch,
+        "grad_accum": base.grad_accum,
+        "seq_len": 128,
+        "threads_per_worker": 1,
+        "steps": args.steps,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
 
     if not args.only_streaming:
         start_ray()
@@ -172,61 +209,117 @@ def main() -> None:
         streaming(args, base, common, tokens, work)
 
 
-def throughput(base: PretrainConfig, stages: list[int], common: dict, shards: Path, tokens: np.ndarray,
-               work: Path) -> None:
+def throughput(
+    base: PretrainConfig, stages: list[int], common: dict, shards: Path, tokens: np.ndarray, work: Path
+) -> None:
     """Bare loop (before and after), raypai with 1 and 2 workers per ZeRO stage, and the scaling."""
     bare_before = bare_loop(base, tokens)
-    runs = {(stage, workers): raypai_run(replace(base, zero_stage=stage, workers=workers), shards, work,
-                                         f"z{stage}-w{workers}")
-            for stage in stages for workers in (1, 2)}
+    runs = {
+        (stage, workers): raypai_run(
+            replace(base, zero_stage=stage, workers=workers), shards, work, f"z{stage}-w{workers}"
+        )
+        for stage in stages
+        for workers in (1, 2)
+    }
     bare_after = bare_loop(base, tokens)
     pair = bare_loops_concurrent(base, tokens)
     bare = {k: statistics.mean([bare_before[k], bare_after[k]]) for k in ("mean", "median")}
     pair_mean = statistics.mean(b["mean"] for b in pair)  # per process (per core)
-    emit({"bench": "pretrain", "result": "bare_loop", "tokens_per_s": round(bare["mean"], 1),
-          "tokens_per_s_median": round(bare["median"], 1), "before": round(bare_before["median"], 1),
-          "after": round(bare_after["median"], 1), **common})
-    emit({"bench": "pretrain", "result": "bare_loops_2_concurrent", "tokens_per_s_per_core": round(pair_mean, 1),
-          "per_process": [round(b["mean"], 1) for b in pair],
-          "vs_one_bare_loop": round(pair_mean / bare["mean"], 3), **common})
+    emit(
+        {
+            "bench": "pretrain",
+            "result": "bare_loop",
+            "tokens_per_s": round(bare["mean"], 1),
+            "tokens_per_s_median": round(bare["median"], 1),
+            "before": round(bare_before["median"], 1),
+            "after": round(bare_after["median"], 1),
+            **common,
+        }
+    )
+    emit(
+        {
+            "bench": "pretrain",
+            "result": "bare_loops_2_concurrent",
+            "tokens_per_s_per_core": round(pair_mean, 1),
+            "per_process": [round(b["mean"], 1) for b in pair],
+            "vs_one_bare_loop": round(pair_mean / bare["mean"], 3),
+            **common,
+        }
+    )
     for stage in stages:
         one, two = runs[(stage, 1)], runs[(stage, 2)]
         for workers, m in ((1, one), (2, two)):
-            emit({"bench": "pretrain", "result": f"raypai_workers_{workers}", "zero_stage": stage,
-                  "deepspeed_overrides": base.deepspeed_config,
-                  "tokens_per_s": round(m["tokens_per_s_steady"], 1),
-                  "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
-                  "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
-                  "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
-                  "vs_concurrent_bare_loops_per_core": round(m["tokens_per_s_steady"] / workers / pair_mean, 3),
-                  "target": 0.9, "mfu": round(m["mfu"], 4), "eval_loss": round(m["eval_loss"], 3), **common})
-        emit({"bench": "pretrain", "result": "scaling_1_to_2_workers", "zero_stage": stage,
-              "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
-              "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3),
-              **common})
+            emit(
+                {
+                    "bench": "pretrain",
+                    "result": f"raypai_workers_{workers}",
+                    "zero_stage": stage,
+                    "deepspeed_overrides": base.deepspeed_config,
+                    "tokens_per_s": round(m["tokens_per_s_steady"], 1),
+                    "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+                    "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / workers / bare["mean"], 3),
+                    "vs_bare_loop_per_core_median": round(m["tokens_per_s_median"] / workers / bare["median"], 3),
+                    "vs_concurrent_bare_loops_per_core": round(m["tokens_per_s_steady"] / workers / pair_mean, 3),
+                    "target": 0.9,
+                    "mfu": round(m["mfu"], 4),
+                    "eval_loss": round(m["eval_loss"], 3),
+                    **common,
+                }
+            )
+        emit(
+            {
+                "bench": "pretrain",
+                "result": "scaling_1_to_2_workers",
+                "zero_stage": stage,
+                "efficiency": round(two["tokens_per_s_steady"] / (2 * one["tokens_per_s_steady"]), 3),
+                "efficiency_median": round(two["tokens_per_s_median"] / (2 * one["tokens_per_s_median"]), 3),
+                **common,
+            }
+        )
 
 
 def checkpoint_stall(args, base: PretrainConfig, model: ModelConfig, shards: Path, work: Path) -> None:
     """Seconds the loop is blocked per checkpoint, synchronous vs asynchronous, on a larger model;
     the asynchronous stall is broken down into its parts (rank 0's)."""
-    big = replace(base, grad_accum=1, model=replace(model, hidden=args.ckpt_model_hidden,
-                                                    intermediate=args.ckpt_model_hidden * 8 // 3),
-                  steps=args.ckpt_steps, checkpoint_every=4, eval_every=args.ckpt_steps)
+    big = replace(
+        base,
+        grad_accum=1,
+        model=replace(model, hidden=args.ckpt_model_hidden, intermediate=args.ckpt_model_hidden * 8 // 3),
+        steps=args.ckpt_steps,
+        checkpoint_every=4,
+        eval_every=args.ckpt_steps,
+    )
     big_params = sum(p.numel() for p in build_model(big.model, 2048).parameters())
-    stalls = {mode: raypai_run(replace(big, async_checkpoint=mode == "async"), shards, work, f"ckpt-{mode}")
-              for mode in ("sync", "async")}
+    stalls = {
+        mode: raypai_run(replace(big, async_checkpoint=mode == "async"), shards, work, f"ckpt-{mode}")
+        for mode in ("sync", "async")
+    }
     sync_s, async_s = stalls["sync"]["checkpoint_stall_mean_s"], stalls["async"]["checkpoint_stall_mean_s"]
     n = stalls["async"]["checkpoints"]
-    parts = {f"async_{part}_s": round(stalls["async"][f"checkpoint_stall_{part}_s"] / n, 4)
-             for part in ("wait", "snapshot", "poll", "report")}
-    emit({"bench": "pretrain", "result": "checkpoint_stall", "n_params": big_params, "zero_stage": big.zero_stage,
-          "state_mb_approx": round(big_params * 16 / 2**20, 1), "checkpoints": stalls["sync"]["checkpoints"],
-          "sync_stall_s": round(sync_s, 4), "async_stall_s": round(async_s, 4),
-          "async_over_sync": round(async_s / sync_s, 3), "target": 0.10, **parts,
-          "snapshot_buffer_mb_rank0": round(stalls["async"]["checkpoint_snapshot_buffer_mb"], 1),
-          "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
-          "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
-          "storage": "local disk (RunConfig.storage_path)", "load_avg_1m": os.getloadavg()[0]})
+    parts = {
+        f"async_{part}_s": round(stalls["async"][f"checkpoint_stall_{part}_s"] / n, 4)
+        for part in ("wait", "snapshot", "poll", "report")
+    }
+    emit(
+        {
+            "bench": "pretrain",
+            "result": "checkpoint_stall",
+            "n_params": big_params,
+            "zero_stage": big.zero_stage,
+            "state_mb_approx": round(big_params * 16 / 2**20, 1),
+            "checkpoints": stalls["sync"]["checkpoints"],
+            "sync_stall_s": round(sync_s, 4),
+            "async_stall_s": round(async_s, 4),
+            "async_over_sync": round(async_s / sync_s, 3),
+            "target": 0.10,
+            **parts,
+            "snapshot_buffer_mb_rank0": round(stalls["async"]["checkpoint_snapshot_buffer_mb"], 1),
+            "sync_tokens_per_s": round(stalls["sync"]["tokens_per_s_steady"], 1),
+            "async_tokens_per_s": round(stalls["async"]["tokens_per_s_steady"], 1),
+            "storage": "local disk (RunConfig.storage_path)",
+            "load_avg_1m": os.getloadavg()[0],
+        }
+    )
 
 
 def _status_bytes(key: str) -> int:
@@ -244,8 +337,9 @@ def streaming(args, base: PretrainConfig, common: dict, tokens: np.ndarray, work
     train_blocks = int(args.stream_factor * store_bytes / (block * 4)) + 1
     big = work / "big-shards"
     t0 = time.perf_counter()
-    manifest = write_token_shards(big, vocab=2048, block=block, blocks=train_blocks + 64,
-                                  eval_fraction=64.5 / (train_blocks + 64))
+    manifest = write_token_shards(
+        big, vocab=2048, block=block, blocks=train_blocks + 64, eval_fraction=64.5 / (train_blocks + 64)
+    )
     write_s = time.perf_counter() - t0
     token_bytes = manifest["num_tokens"] * 4
     disk = sum(f.stat().st_size for f in big.glob("*.parquet"))
@@ -263,11 +357,22 @@ def streaming(args, base: PretrainConfig, common: dict, tokens: np.ndarray, work
     for idx in mem_batches:
         np.ascontiguousarray(tokens[idx])
     memory_ms = (time.perf_counter() - t0) / len(mem_batches) * 1e3
-    emit({"bench": "pretrain", "result": "stream_reads", "ms_per_micro_batch": round(stream_ms, 3),
-          "in_memory_ms_per_micro_batch": round(memory_ms, 4), "blocks_per_s": round(base.micro_batch / stream_ms * 1e3),
-          "micro_batch": base.micro_batch, "block": block, "train_blocks": len(shards),
-          "token_set_mib": round(token_bytes / 2**20), "parquet_mib": round(disk / 2**20),
-          "write_s": round(write_s, 1), "load_avg_1m": os.getloadavg()[0]})
+    emit(
+        {
+            "bench": "pretrain",
+            "result": "stream_reads",
+            "ms_per_micro_batch": round(stream_ms, 3),
+            "in_memory_ms_per_micro_batch": round(memory_ms, 4),
+            "blocks_per_s": round(base.micro_batch / stream_ms * 1e3),
+            "micro_batch": base.micro_batch,
+            "block": block,
+            "train_blocks": len(shards),
+            "token_set_mib": round(token_bytes / 2**20),
+            "parquet_mib": round(disk / 2**20),
+            "write_s": round(write_s, 1),
+            "load_avg_1m": os.getloadavg()[0],
+        }
+    )
 
     cfg = replace(base, zero_stage=0, workers=2)
     bare = bare_loop(cfg, tokens)
@@ -284,15 +389,25 @@ def streaming(args, base: PretrainConfig, common: dict, tokens: np.ndarray, work
         ray.shutdown()
         os.environ.pop(FAULTS_ENV)
     workers = [json.loads((trace / f"memory-rank{r}.json").read_text()) for r in range(2)]
-    emit({"bench": "pretrain", "result": "stream_run", "zero_stage": 0, "workers": 2,
-          "object_store_mib": round(store_bytes / 2**20), "token_set_mib": round(token_bytes / 2**20),
-          "tokens_per_s": round(m["tokens_per_s_steady"], 1), "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
-          "bare_loop_in_memory_tokens_per_s": round(bare["mean"], 1),
-          "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / 2 / bare["mean"], 3),
-          "driver_peak_growth_mib": round(driver_growth / 2**20, 1),
-          "worker_loop_peak_growth_mib": [round((w["peak_rss"] - w["rss_at_start"]) / 2**20, 1) for w in workers],
-          "worker_peak_rss_mib": [round(w["peak_rss"] / 2**20) for w in workers],
-          "eval_loss": round(m["eval_loss"], 3), **common})
+    emit(
+        {
+            "bench": "pretrain",
+            "result": "stream_run",
+            "zero_stage": 0,
+            "workers": 2,
+            "object_store_mib": round(store_bytes / 2**20),
+            "token_set_mib": round(token_bytes / 2**20),
+            "tokens_per_s": round(m["tokens_per_s_steady"], 1),
+            "tokens_per_s_median": round(m["tokens_per_s_median"], 1),
+            "bare_loop_in_memory_tokens_per_s": round(bare["mean"], 1),
+            "vs_bare_loop_per_core": round(m["tokens_per_s_steady"] / 2 / bare["mean"], 3),
+            "driver_peak_growth_mib": round(driver_growth / 2**20, 1),
+            "worker_loop_peak_growth_mib": [round((w["peak_rss"] - w["rss_at_start"]) / 2**20, 1) for w in workers],
+            "worker_peak_rss_mib": [round(w["peak_rss"] / 2**20) for w in workers],
+            "eval_loss": round(m["eval_loss"], 3),
+            **common,
+        }
+    )
 
 
 if __name__ == "__main__":

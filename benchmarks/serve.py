@@ -25,8 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("the quick brown fox jumps over the lazy dog while seven small birds sing about rivers mountains "
-         "and a long road home under bright winter stars").split()
+WORDS = (
+    "the quick brown fox jumps over the lazy dog while seven small birds sing about rivers mountains "
+    "and a long road home under bright winter stars"
+).split()
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:
@@ -47,13 +49,21 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def summary(name: str, latencies: list[float], tokens: int, wall_s: float, **extra) -> dict:
-    return {"bench": "serve", "mode": name, "requests": len(latencies), "wall_s": round(wall_s, 3),
-            "req_per_s": round(len(latencies) / wall_s, 2), "tokens_per_s": round(tokens / wall_s, 1),
-            "p50_ms": round(1000 * percentile(latencies, 50), 1), "p99_ms": round(1000 * percentile(latencies, 99), 1),
-            **extra}
+    return {
+        "bench": "serve",
+        "mode": name,
+        "requests": len(latencies),
+        "wall_s": round(wall_s, 3),
+        "req_per_s": round(len(latencies) / wall_s, 2),
+        "tokens_per_s": round(tokens / wall_s, 1),
+        "p50_ms": round(1000 * percentile(latencies, 50), 1),
+        "p99_ms": round(1000 * percentile(latencies, 99), 1),
+        **extra,
+    }
 
 
 # ---- the load generator (a separate process) ---------------------------------------------------
+
 
 async def _load(url: str, token: str, model: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
     import httpx
@@ -68,8 +78,9 @@ async def _load(url: str, token: str, model: str, texts: list[str], concurrency:
         while not queue.empty():
             text = queue.get_nowait()
             t0 = time.perf_counter()
-            r = await client.post(url, json={"model": model, "prompt": text, "max_tokens": max_tokens,
-                                             "temperature": 0})
+            r = await client.post(
+                url, json={"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
+            )
             latencies.append(time.perf_counter() - t0)
             if r.status_code == 200:
                 tokens += r.json()["usage"]["completion_tokens"]
@@ -91,13 +102,27 @@ async def _load(url: str, token: str, model: str, texts: list[str], concurrency:
 
 def run_load(url, token, model, texts, concurrency, max_tokens) -> dict:
     """Run the load generator in a fresh process and return its measurements."""
-    cmd = [sys.executable, __file__, "--load", json.dumps({"url": url, "token": token, "model": model, "texts": texts,
-                                                           "concurrency": concurrency, "max_tokens": max_tokens})]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--load",
+        json.dumps(
+            {
+                "url": url,
+                "token": token,
+                "model": model,
+                "texts": texts,
+                "concurrency": concurrency,
+                "max_tokens": max_tokens,
+            }
+        ),
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 # ---- the model and the in-process baselines -----------------------------------------------------
+
 
 def build_model(folder: Path, hidden: int, layers: int, context: int) -> Path:
     """A random Llama with a BPE tokenizer trained on the benchmark's words (no downloads)."""
@@ -109,15 +134,26 @@ def build_model(folder: Path, hidden: int, layers: int, context: int) -> Path:
 
     (folder / "ds").mkdir(parents=True)
     texts = prompts(400, seed=1)
-    pq.write_table(pa.table({"doc_id": [str(i) for i in range(len(texts))], "text": texts,
-                             "source": ["bench"] * len(texts)}), folder / "ds" / "part-00000.parquet")
+    pq.write_table(
+        pa.table({"doc_id": [str(i) for i in range(len(texts))], "text": texts, "source": ["bench"] * len(texts)}),
+        folder / "ds" / "part-00000.parquet",
+    )
     train_tokenizer(folder / "ds", folder / "m", vocab_size=512, min_frequency=1)
     tok = AutoTokenizer.from_pretrained(folder / "m")
     heads = max(1, hidden // 64)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                                 max_position_embeddings=context, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id)).save_pretrained(folder / "m")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=hidden * 8 // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=context,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(folder / "m")
     return folder / "m"
 
 
@@ -144,13 +180,14 @@ class InProcess:
         start = time.perf_counter()
         for i in range(0, len(reqs), batch):
             t0 = time.perf_counter()
-            res = generate_batch(self.model, self.tok, reqs[i:i + batch], stop)
+            res = generate_batch(self.model, self.tok, reqs[i : i + batch], stop)
             latencies += [time.perf_counter() - t0] * len(res)  # every request in a batch waits for all of it
             tokens += sum(r.completion_tokens for r in res)
         return {"latencies": latencies, "tokens": tokens, "wall_s": time.perf_counter() - start}
 
 
 # ---- the served stack ---------------------------------------------------------------------------
+
 
 def main(args) -> None:
     import ray
@@ -172,22 +209,43 @@ def main(args) -> None:
     model_dir = build_model(home / "model", args.hidden, args.layers, context=256)
     Tracker(settings.mlflow_tracking_uri).register_model(model_dir, "bench", alias="champion")
     token = MetadataStore(settings.database_url).create_token("bench", ["infer"])
-    conf = {"hidden": args.hidden, "layers": args.layers, "max_tokens": args.max_tokens,
-            "max_batch_size": 16, "batch_wait_ms": args.batch_wait_ms}
+    conf = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "max_tokens": args.max_tokens,
+        "max_batch_size": 16,
+        "batch_wait_ms": args.batch_wait_ms,
+    }
     texts = prompts(args.requests)
     local = InProcess(model_dir)
     lines = []
 
     def record(mode: str, r: dict, round_: int, **extra) -> None:
-        lines.append(summary(mode, r["latencies"], r["tokens"], r["wall_s"], round=round_, **extra, **conf,
-                             loadavg_1m=round(os.getloadavg()[0], 1)))  # the machine is shared: say how busy
+        lines.append(
+            summary(
+                mode,
+                r["latencies"],
+                r["tokens"],
+                r["wall_s"],
+                round=round_,
+                **extra,
+                **conf,
+                loadavg_1m=round(os.getloadavg()[0], 1),
+            )
+        )  # the machine is shared: say how busy
         print(json.dumps(lines[-1]), flush=True)
 
     # a Ray of this benchmark's own (never RAY_ADDRESS or raypai's recorded head), 4 logical CPUs
     ensure_ray(settings, local=True, num_cpus=4, dashboard=False, log_to_driver=False)
     try:
-        Controller(settings).create("bench", "bench", alias="champion", cpus=1.0, max_batch_size=16,
-                                    batch_wait_timeout_s=args.batch_wait_ms / 1000)
+        Controller(settings).create(
+            "bench",
+            "bench",
+            alias="champion",
+            cpus=1.0,
+            max_batch_size=16,
+            batch_wait_timeout_s=args.batch_wait_ms / 1000,
+        )
         url = f"http://127.0.0.1:{serve_port(settings)}/v1/completions"
         server = serve.get_app_handle(app_name("bench", 1))
         # Rounds interleave every mode, so a burst of load from elsewhere hits all of them alike;
@@ -211,12 +269,21 @@ def main(args) -> None:
         if line["tokens_per_s"] > best.get(line["mode"], {}).get("tokens_per_s", -1):
             best[line["mode"]] = line
     c16 = best["served_c16"]["tokens_per_s"]
-    print(json.dumps({"bench": "serve", "mode": "summary", "rounds": args.rounds,
-                      "best_tokens_per_s": {m: line["tokens_per_s"] for m, line in best.items()},
-                      "c16_vs_one_at_a_time": round(c16 / best["one_at_a_time"]["tokens_per_s"], 2),
-                      "c16_vs_served_c1": round(c16 / best["served_c1"]["tokens_per_s"], 2),
-                      "c16_vs_ceiling": round(c16 / best["batched_generate_ceiling"]["tokens_per_s"], 2),
-                      "targets": {"c16_vs_one_at_a_time": 4.0, "c16_vs_ceiling": 0.7}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "serve",
+                "mode": "summary",
+                "rounds": args.rounds,
+                "best_tokens_per_s": {m: line["tokens_per_s"] for m, line in best.items()},
+                "c16_vs_one_at_a_time": round(c16 / best["one_at_a_time"]["tokens_per_s"], 2),
+                "c16_vs_served_c1": round(c16 / best["served_c1"]["tokens_per_s"], 2),
+                "c16_vs_ceiling": round(c16 / best["batched_generate_ceiling"]["tokens_per_s"], 2),
+                "targets": {"c16_vs_one_at_a_time": 4.0, "c16_vs_ceiling": 0.7},
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
@@ -232,7 +299,19 @@ if __name__ == "__main__":
     a = p.parse_args()
     if a.load:
         spec = json.loads(a.load)
-        print(json.dumps(asyncio.run(_load(spec["url"], spec["token"], spec["model"], spec["texts"],
-                                           spec["concurrency"], spec["max_tokens"]))))
+        print(
+            json.dumps(
+                asyncio.run(
+                    _load(
+                        spec["url"],
+                        spec["token"],
+                        spec["model"],
+                        spec["texts"],
+                        spec["concurrency"],
+                        spec["max_tokens"],
+                    )
+                )
+            )
+        )
     else:
         main(a)

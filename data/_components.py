@@ -38,9 +38,9 @@ def _grouped(arcs: pa.Table):
     src, dst, sp, dp = src[keep], dst[keep], sp[keep], dp[keep]
     first = np.ones(len(src), dtype=bool)
     first[1:] = src[1:] != src[:-1]
-    heads = np.flatnonzero(first)                       # (U,) each node's first arc
-    group = np.cumsum(first) - 1                        # (E,) node index of each arc
-    ends = np.append(heads[1:], len(src))[:len(heads)] - 1  # (U,) each node's last arc; none when no arcs
+    heads = np.flatnonzero(first)  # (U,) each node's first arc
+    group = np.cumsum(first) - 1  # (E,) node index of each arc
+    ends = np.append(heads[1:], len(src))[: len(heads)] - 1  # (U,) each node's last arc; none when no arcs
     return src, dst, sp, dp, heads, group, ends
 
 
@@ -70,11 +70,18 @@ def small_star(arcs: pa.Table) -> tuple[pa.Table, int, pa.Table]:
     degree = np.diff(np.concatenate([heads, [len(src)]]))
     leaf = heads[degree == 1]
     leaves = pa.table({"id": src[leaf], "cluster": dst[leaf], "part": sp[leaf]}, schema=LEAVES)
-    return (_arcs(np.concatenate([lo, hi]), np.concatenate([hi, lo]), np.concatenate([lo_p, hi_p]),
-                  np.concatenate([hi_p, lo_p])), int((degree > 1).sum()), leaves)
+    return (
+        _arcs(
+            np.concatenate([lo, hi]),
+            np.concatenate([hi, lo]),
+            np.concatenate([lo_p, hi_p]),
+            np.concatenate([hi_p, lo_p]),
+        ),
+        int((degree > 1).sum()),
+        leaves,
+    )
 
 
 def both_ways(a: np.ndarray, b: np.ndarray, pa_: np.ndarray, pb: np.ndarray) -> pa.Table:
     """The arcs of edges (a, b) in both directions: the first large-star round's input."""
-    return _arcs(np.concatenate([a, b]), np.concatenate([b, a]), np.concatenate([pa_, pb]),
-                 np.concatenate([pb, pa_]))
+    return _arcs(np.concatenate([a, b]), np.concatenate([b, a]), np.concatenate([pa_, pb]), np.concatenate([pb, pa_]))

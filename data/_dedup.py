@@ -84,8 +84,7 @@ LABELS = pa.schema([("id", _U64), ("cluster", _U64)])
 NEAR = PAIRS.append(pa.field("est", pa.float64())).append(pa.field("text_b", pa.large_string()))
 ROWS_PER_READ = 16_384  # rows per streamed read of a part
 EXACT_CHUNK = 4096  # near pairs shingled at once
-DROPS = pa.schema([("id", _U64), ("cluster", _U64), ("partner", _U64), ("sim", pa.float64()),
-                   ("exact", pa.bool_())])
+DROPS = pa.schema([("id", _U64), ("cluster", _U64), ("partner", _U64), ("sim", pa.float64()), ("exact", pa.bool_())])
 
 
 @dataclass(frozen=True)
@@ -132,8 +131,9 @@ class _Plan:
         return self.stage(k, "reduce" if isinstance(self.ops[k], ExactDedup) else "decide")
 
 
-def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: int | None = None,
-              progress=print) -> dict:
+def run_dedup(
+    work: str | Path, parts: list[str], dedup_ops: list, *, buckets: int | None = None, progress=print
+) -> dict:
     """Dedup `<work>/kept/<part>` for each of `parts` with `dedup_ops` (in order) into
     `<work>/dedup/{kept,dropped}/<part>`; return the counters (see the module docstring).
     `buckets`: hash buckets per shuffle (default: one per 250k input rows, 4 to 1024)."""
@@ -143,17 +143,23 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
         raise DataError(f"run_dedup takes exact_dedup/minhash_dedup ops only; got {bad}")
     missing = [p for p in parts if not (work / "kept" / p).is_file()]
     if missing:
-        raise DataError(f"dedup input missing: {[str(work / 'kept' / p) for p in missing]}; run clean's filter "
-                        "pass into this work folder first")
+        raise DataError(
+            f"dedup input missing: {[str(work / 'kept' / p) for p in missing]}; run clean's filter "
+            "pass into this work folder first"
+        )
     need = {"doc_id", "text", "source", *(f"key.{op.name}" for op in dedup_ops)}
     lacking = {p: sorted(need - set(pq.read_schema(work / "kept" / p).names)) for p in parts}
     lacking = {p: cols for p, cols in lacking.items() if cols}
     if lacking:
-        raise DataError(f"dedup input lacks columns {lacking}: clean's filter pass writes key.<op> for each dedup "
-                        "op of its recipe; run it with the same dedup ops into this work folder")
+        raise DataError(
+            f"dedup input lacks columns {lacking}: clean's filter pass writes key.<op> for each dedup "
+            "op of its recipe; run it with the same dedup ops into this work folder"
+        )
     if not ray.is_initialized():
-        raise DataError("run_dedup runs on Ray and none is connected in this process: call "
-                        "raypai.runtime.ensure_ray(Settings.load()) first")
+        raise DataError(
+            "run_dedup runs on Ray and none is connected in this process: call "
+            "raypai.runtime.ensure_ray(Settings.load()) first"
+        )
     if buckets is None:
         rows = sum(pq.ParquetFile(work / "kept" / p).metadata.num_rows for p in parts)
         buckets = max(4, min(1024, math.ceil(rows / 250_000)))
@@ -163,8 +169,14 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
     done = work / "dedup" / sh.DONE
     if done.exists():
         return json.loads(done.read_text()) | {"units_run": 0}
-    result: dict = {"dropped": {}, "seconds": {}, "candidates": {}, "verified": {}, "cc_rounds": {},
-                    "buckets": plan.buckets}
+    result: dict = {
+        "dropped": {},
+        "seconds": {},
+        "candidates": {},
+        "verified": {},
+        "cc_rounds": {},
+        "buckets": plan.buckets,
+    }
     for k, op in enumerate(plan.ops):
         seconds = 0.0
         for name, count in (_exact if isinstance(op, ExactDedup) else _minhash)(plan, k, runner):
@@ -187,8 +199,14 @@ def run_dedup(work: str | Path, parts: list[str], dedup_ops: list, *, buckets: i
 
 def _prepare(plan: _Plan) -> None:
     root = Path(plan.work) / "dedup"
-    desc = json.dumps({"parts": plan.parts, "buckets": plan.buckets,
-                       "ops": [[type(op).__name__, dataclasses.asdict(op)] for op in plan.ops]}, sort_keys=True)
+    desc = json.dumps(
+        {
+            "parts": plan.parts,
+            "buckets": plan.buckets,
+            "ops": [[type(op).__name__, dataclasses.asdict(op)] for op in plan.ops],
+        },
+        sort_keys=True,
+    )
     marker = root / "plan.json"
     if marker.exists() and marker.read_text() != desc:
         shutil.rmtree(root)  # another plan's rounds must not be mixed in
@@ -217,14 +235,15 @@ class _Runner:
                 try:
                     ray.get(ready[0])
                 except ray.exceptions.RayError as e:
-                    raise DataError(f"dedup round {label} failed in a unit (below); the units committed so far are "
-                                    f"kept: fix the cause and run again to resume\n{e}") from e
+                    raise DataError(
+                        f"dedup round {label} failed in a unit (below); the units committed so far are "
+                        f"kept: fix the cause and run again to resume\n{e}"
+                    ) from e
                 self.committed += 1
                 self.faults.after_unit(self.committed)
             sh.clear_temporaries(stage)  # those of killed attempts
             sh.write_atomic(done, json.dumps(sh.counters(stage)))
-            self.progress(f"dedup: {label}: {len(todo)} units run, "
-                          f"{len(units) - len(todo)} already committed")
+            self.progress(f"dedup: {label}: {len(todo)} units run, {len(units) - len(todo)} already committed")
         self.counters[stage] = json.loads(done.read_text())
         return self.counters[stage]
 
@@ -239,8 +258,13 @@ SPREAD = "SPREAD"
 def _unit_task(fn, stage: str, unit: str, kwargs: dict, faults: DedupFaults, label: str) -> None:
     t0 = time.perf_counter()
     out, counters = fn(unit=unit, **kwargs)
-    sh.commit(Path(stage), unit, out, counters | {"seconds": time.perf_counter() - t0},
-              before_rename=lambda: faults.before_rename(Path(stage), unit, label))
+    sh.commit(
+        Path(stage),
+        unit,
+        out,
+        counters | {"seconds": time.perf_counter() - t0},
+        before_rename=lambda: faults.before_rename(Path(stage), unit, label),
+    )
 
 
 # ---- reading parts --------------------------------------------------------------------------
@@ -251,12 +275,14 @@ def _ids(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     arr = arr.cast(pa.large_string())
     if len(arr) and not (arr.null_count == 0 and pc.all(pc.match_substring_regex(arr, "^[0-9a-f]{16}$")).as_py()):
-        raise DataError("dedup needs ingest's doc ids (16 lower-case hex digits) in the doc_id column; re-ingest "
-                        f"the data with raypai.data.ingest (got e.g. {arr[0].as_py()!r})")
+        raise DataError(
+            "dedup needs ingest's doc ids (16 lower-case hex digits) in the doc_id column; re-ingest "
+            f"the data with raypai.data.ingest (got e.g. {arr[0].as_py()!r})"
+        )
     if not len(arr):
         return np.zeros(0, np.uint64)
     off = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset]
-    digits = np.frombuffer(arr.buffers()[2], np.uint8)[off:off + 16 * len(arr)].reshape(-1, 16)
+    digits = np.frombuffer(arr.buffers()[2], np.uint8)[off : off + 16 * len(arr)].reshape(-1, 16)
     digits = np.where(digits >= ord("a"), digits - (ord("a") - 10), digits - ord("0")).astype(np.uint64)
     out = np.zeros(len(arr), np.uint64)
     for k in range(16):
@@ -273,11 +299,12 @@ def _scan(plan: _Plan, i: int, columns: list[str]):
     yield from pq.ParquetFile(plan.part(i)).iter_batches(batch_size=ROWS_PER_READ, columns=columns)
 
 
-
 def _alive(plan: _Plan, k: int, i: int, column: str) -> tuple[np.ndarray, pa.Array]:
     """(ids, `column`) of part i's rows that the ops before op k kept."""
-    gone = np.concatenate([np.zeros(0, np.uint64)] + [
-        sh.gather([plan.drops(j)], "drops", _part_unit(i), DROPS).column("id").to_numpy() for j in range(k)])
+    gone = np.concatenate(
+        [np.zeros(0, np.uint64)]
+        + [sh.gather([plan.drops(j)], "drops", _part_unit(i), DROPS).column("id").to_numpy() for j in range(k)]
+    )
     ids, vals = [], []
     for b in _scan(plan, i, ["doc_id", column]):
         bid = _ids(b.column(0))
@@ -303,8 +330,9 @@ def _lookup(plan: _Plan, i: int, ids: np.ndarray, column: str) -> pa.Array:
     order = np.argsort(gid)
     pos = np.searchsorted(gid[order], ids)
     if len(ids) and (pos.max() >= len(gid) or (gid[order][pos] != ids).any()):
-        raise DataError(f"{plan.part(i)} lost rows between dedup rounds; delete {Path(plan.work) / 'dedup'} "
-                        "and run again")
+        raise DataError(
+            f"{plan.part(i)} lost rows between dedup rounds; delete {Path(plan.work) / 'dedup'} and run again"
+        )
     return vals.take(pa.array(order[pos]))
 
 
@@ -330,7 +358,7 @@ def _bucket_units(plan: _Plan) -> list[str]:
 
 
 def _dests(table: pa.Table, dest: np.ndarray, prefix: str) -> dict[str, pa.Table]:
-    return {(f"{prefix}{int(name[len(prefix):]):05d}"): t for name, t in sh.split(table, dest, prefix).items()}
+    return {(f"{prefix}{int(name[len(prefix) :]):05d}"): t for name, t in sh.split(table, dest, prefix).items()}
 
 
 # ---- exact dedup ------------------------------------------------------------------------------
@@ -359,8 +387,16 @@ def _exact_reduce(unit: str, plan: _Plan, k: int):
         first[1:] = pc.not_equal(keys.slice(1), keys.slice(0, len(ids) - 1)).to_numpy(zero_copy_only=False)
     keeper = ids[np.flatnonzero(first)][np.cumsum(first) - 1]  # (N,) the lowest id holding each row's key
     gone = np.flatnonzero(~first)
-    drops = pa.table({"id": ids[gone], "cluster": keeper[gone], "partner": keeper[gone],
-                      "sim": np.full(len(gone), np.nan), "exact": np.ones(len(gone), bool)}, schema=DROPS)
+    drops = pa.table(
+        {
+            "id": ids[gone],
+            "cluster": keeper[gone],
+            "partner": keeper[gone],
+            "sim": np.full(len(gone), np.nan),
+            "exact": np.ones(len(gone), bool),
+        },
+        schema=DROPS,
+    )
     parts = t.column("part").to_numpy()[gone]
     return {"drops": _dests(drops, parts, "p")}, {"dropped": len(gone)}
 
@@ -369,14 +405,19 @@ def _exact_reduce(unit: str, plan: _Plan, k: int):
 
 
 def _minhash(plan: _Plan, k: int, runner: _Runner):
-    for name, fn, units, count in (("bands", _bands, _parts_units, None), ("cand", _cand, _bucket_units, None),
-                                   ("siga", _siga, _parts_units, "candidates"), ("est", _est, _parts_units, None),
-                                   ("exact", _exact_jaccard, _parts_units, None)):
+    for name, fn, units, count in (
+        ("bands", _bands, _parts_units, None),
+        ("cand", _cand, _bucket_units, None),
+        ("siga", _siga, _parts_units, "candidates"),
+        ("est", _est, _parts_units, None),
+        ("exact", _exact_jaccard, _parts_units, None),
+    ):
         runner.run(plan.stage(k, name), units(plan), fn, plan=plan, k=k)
         yield name, count
     c = runner.counters
-    c[plan.stage(k, "verified")] = {"verified": c[plan.stage(k, "est")]["verified"] +
-                                    c[plan.stage(k, "exact")]["verified"]}
+    c[plan.stage(k, "verified")] = {
+        "verified": c[plan.stage(k, "est")]["verified"] + c[plan.stage(k, "exact")]["verified"]
+    }
     yield "verified", "verified"
     rounds = []
     for r in range(MAX_CC_ROUNDS):
@@ -386,8 +427,10 @@ def _minhash(plan: _Plan, k: int, runner: _Runner):
         if r % 2 and rounds[-1] == 0 and rounds[-2] == 0:
             break
     else:
-        raise DataError(f"connected components of {plan.ops[k].name} did not converge in {MAX_CC_ROUNDS} rounds; "
-                        "this is a raypai bug, report it")
+        raise DataError(
+            f"connected components of {plan.ops[k].name} did not converge in {MAX_CC_ROUNDS} rounds; "
+            "this is a raypai bug, report it"
+        )
     runner.run(plan.stage(k, "decide"), _parts_units(plan), _decide, plan=plan, k=k, last=r)
     yield "decide", "dropped"
 
@@ -400,8 +443,10 @@ def _bands(unit: str, plan: _Plan, k: int):
     ids, keys = ids[valid], op.band_keys(sigs[valid])  # (N, bands)
     n, nb = keys.shape
     band = np.tile(np.arange(nb, dtype=np.uint32), n)
-    t = pa.table({"band": band, "key": keys.reshape(-1), "id": np.repeat(ids, nb),
-                  "part": np.full(n * nb, i, np.int32)}, schema=BANDS)
+    t = pa.table(
+        {"band": band, "key": keys.reshape(-1), "id": np.repeat(ids, nb), "part": np.full(n * nb, i, np.int32)},
+        schema=BANDS,
+    )
     with np.errstate(over="ignore"):
         mixed = keys.reshape(-1) + band.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     return {"bands": _dests(t, _bucket(mixed, plan.buckets), "b")}, {"rows": n}
@@ -467,8 +512,6 @@ def _est(unit: str, plan: _Plan, k: int):
     return out, {"verified": int(ok.sum()), "near": int(near.sum())}
 
 
-
-
 def _exact_jaccard(unit: str, plan: _Plan, k: int):
     """Exact shingle Jaccard of the near-threshold candidates whose lower id lives in this part."""
     i, op = int(unit[1:]), plan.ops[k]
@@ -477,10 +520,11 @@ def _exact_jaccard(unit: str, plan: _Plan, k: int):
     sim = np.zeros(t.num_rows)
     for lo in range(0, t.num_rows, EXACT_CHUNK):
         n = min(EXACT_CHUNK, t.num_rows - lo)
-        texts = pa.concat_arrays([text_a.slice(lo, n).cast(pa.large_string()),
-                                  t.column("text_b").slice(lo, n).combine_chunks()])
+        texts = pa.concat_arrays(
+            [text_a.slice(lo, n).cast(pa.large_string()), t.column("text_b").slice(lo, n).combine_chunks()]
+        )
         h, off = op.shingles(texts)
-        sim[lo:lo + n] = mh.exact_jaccard(h, off, np.stack([np.arange(n), n + np.arange(n)], axis=1))
+        sim[lo : lo + n] = mh.exact_jaccard(h, off, np.stack([np.arange(n), n + np.arange(n)], axis=1))
     ok = sim >= op.threshold
     out = _edges(t.select(PAIRS.names).filter(pa.array(ok)), sim[ok], exact=True, plan=plan)
     return out, {"verified": int(ok.sum())}
@@ -495,8 +539,10 @@ def _edges(pairs: pa.Table, sim: np.ndarray, *, exact: bool, plan: _Plan) -> dic
     other = pb != pa_
     to_parts = pa.concat_tables([e, e.filter(pa.array(other))])
     arcs = cc.both_ways(a, b, pa_, pb)
-    return {"edges": _dests(to_parts, np.concatenate([pa_, pb[other]]), "p"),
-            "cc": _dests(arcs, _bucket(arcs.column("src").to_numpy(), plan.buckets), "b")}
+    return {
+        "edges": _dests(to_parts, np.concatenate([pa_, pb[other]]), "p"),
+        "cc": _dests(arcs, _bucket(arcs.column("src").to_numpy(), plan.buckets), "b"),
+    }
 
 
 # ---- MinHash dedup: connected components and decisions ---------------------------------------
@@ -536,8 +582,10 @@ def _decide(unit: str, plan: _Plan, k: int, last: int):
     pos = np.searchsorted(node, ids)
     if len(ids) and (pos.max() >= len(node) or (node[pos] != ids).any()):
         raise DataError("a removed document has no verified edge; this is a raypai bug, report it")
-    drops = pa.table({"id": ids, "cluster": labels.column("cluster"), "partner": partner[pos], "sim": sim2[pos],
-                      "exact": ex2[pos]}, schema=DROPS)
+    drops = pa.table(
+        {"id": ids, "cluster": labels.column("cluster"), "partner": partner[pos], "sim": sim2[pos], "exact": ex2[pos]},
+        schema=DROPS,
+    )
     return {"drops": {unit: drops}}, {"dropped": len(ids)}
 
 
@@ -581,10 +629,22 @@ def _records(rows: pa.Table, ids: np.ndarray, gone_ids, op_of, d: pa.Table, plan
     partner = _hex(d.column("partner").to_numpy()[pos])
     sim, ex = d.column("sim").to_numpy(zero_copy_only=False)[pos], d.column("exact").to_numpy(zero_copy_only=False)[pos]
     ops = [plan.ops[k] for k in op_of[pos].tolist()]
-    reasons = [f"duplicate of {c}" if isinstance(op, ExactDedup) else
-               f"near-duplicate of {p} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); cluster kept {c}"
-               for op, c, p, s, e in zip(ops, cluster, partner, sim.tolist(), ex.tolist())]
+    reasons = [
+        f"duplicate of {c}"
+        if isinstance(op, ExactDedup)
+        else f"near-duplicate of {p} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); cluster kept {c}"
+        for op, c, p, s, e in zip(ops, cluster, partner, sim.tolist(), ex.tolist())
+    ]
     stat = [None if isinstance(op, ExactDedup) else s for op, s in zip(ops, sim.tolist())]
-    return pa.table({"doc_id": rows.column("doc_id"), "source": rows.column("source"), "op": [op.name for op in ops],
-                     "reason": reasons, "stat": pa.array(stat, pa.float64()), "cluster_id": cluster,
-                     "text": rows.column("text")}, schema=DROP_SCHEMA)
+    return pa.table(
+        {
+            "doc_id": rows.column("doc_id"),
+            "source": rows.column("source"),
+            "op": [op.name for op in ops],
+            "reason": reasons,
+            "stat": pa.array(stat, pa.float64()),
+            "cluster_id": cluster,
+            "text": rows.column("text"),
+        },
+        schema=DROP_SCHEMA,
+    )

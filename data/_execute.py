@@ -21,12 +21,27 @@ from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 # Per-op worker seconds travel with the rows (no counter actor, one process fewer): each row of a
 # batch carries its share, batch seconds / rows, so summing a shard's column gives the shard's time.
 SECONDS_COLUMN = "op_seconds"
-KEEP_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string()),
-                         ("lang", pa.string()), ("lang_score", pa.float64())])
+KEEP_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("text", pa.string()),
+        ("source", pa.string()),
+        ("lang", pa.string()),
+        ("lang_score", pa.float64()),
+    ]
+)
 KEEP_COLUMNS = KEEP_SCHEMA.names
-DROP_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("op", pa.string()),
-                         ("reason", pa.string()), ("stat", pa.float64()), ("cluster_id", pa.string()),
-                         ("text", pa.string())])
+DROP_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("source", pa.string()),
+        ("op", pa.string()),
+        ("reason", pa.string()),
+        ("stat", pa.float64()),
+        ("cluster_id", pa.string()),
+        ("text", pa.string()),
+    ]
+)
 
 
 def filter_shard(name: str, setup: dict) -> tuple[str, int, int]:
@@ -41,8 +56,9 @@ def filter_shard(name: str, setup: dict) -> tuple[str, int, int]:
     table = pq.read_table(f"{setup['raw_dir']}/{name}")
     out = []
     for start in range(0, table.num_rows, setup["batch_size"]):
-        out.append(apply_row_ops(table.slice(start, setup["batch_size"]), ops=setup["ops"],
-                                 dedup_ops=setup["dedup_ops"]))
+        out.append(
+            apply_row_ops(table.slice(start, setup["batch_size"]), ops=setup["ops"], dedup_ops=setup["dedup_ops"])
+        )
         setup["faults"].in_worker(name, work)  # raypai's own kill drill (raypai.data._faults)
     # a batch whose rows all fell before an annotating filter has null-typed annotation columns:
     # promote them to the other batches' types
@@ -53,8 +69,10 @@ def filter_shard(name: str, setup: dict) -> tuple[str, int, int]:
 
 def key_fields(dedup_ops) -> list[pa.Field]:
     """The `key.<op>` columns `apply_row_ops` adds, for shards that had no rows to add them to."""
-    return [pa.field(f"key.{op.name}", pa.string() if isinstance(op, ExactDedup)
-                     else pa.list_(pa.uint32(), op.num_perm)) for op in dedup_ops]
+    return [
+        pa.field(f"key.{op.name}", pa.string() if isinstance(op, ExactDedup) else pa.list_(pa.uint32(), op.num_perm))
+        for op in dedup_ops
+    ]
 
 
 def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int, dedup_ops=()) -> int:
@@ -69,14 +87,23 @@ def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int, dedup
     else:
         is_drop = pc.is_valid(rows.column("drop_op"))
         k, d = rows.filter(pc.invert(is_drop)), rows.filter(is_drop)
-        kept = pa.table({c: (k.column(c) if c in k.column_names else pa.nulls(k.num_rows, pa.string()))
-                         for c in KEEP_COLUMNS}).cast(KEEP_SCHEMA, safe=False)
+        kept = pa.table(
+            {c: (k.column(c) if c in k.column_names else pa.nulls(k.num_rows, pa.string())) for c in KEEP_COLUMNS}
+        ).cast(KEEP_SCHEMA, safe=False)
         for c in (c for c in rows.column_names if c.startswith("key.")):  # dedup keys, for the dedup pass
             kept = kept.append_column(c, k.column(c))
-        dropped = pa.table({"doc_id": d.column("doc_id"), "source": d.column("source"), "op": d.column("drop_op"),
-                            "reason": d.column("drop_reason"), "stat": d.column("drop_stat"),
-                            "cluster_id": pa.nulls(d.num_rows, pa.string()), "text": d.column("text")},
-                           schema=DROP_SCHEMA)
+        dropped = pa.table(
+            {
+                "doc_id": d.column("doc_id"),
+                "source": d.column("source"),
+                "op": d.column("drop_op"),
+                "reason": d.column("drop_reason"),
+                "stat": d.column("drop_stat"),
+                "cluster_id": pa.nulls(d.num_rows, pa.string()),
+                "text": d.column("text"),
+            },
+            schema=DROP_SCHEMA,
+        )
         stats_cols = [c for c in rows.column_names if c.startswith("stats.")]
         share = pc.list_flatten(rows.column(SECONDS_COLUMN)).to_numpy(zero_copy_only=False)
         seconds = share.reshape(rows.num_rows, n_ops).sum(axis=0).tolist()  # (n_ops,)
@@ -85,17 +112,22 @@ def commit_shard(work: Path, part: str, rows: pa.Table | None, n_ops: int, dedup
     if stats_cols:
         pq.write_table(rows.select(stats_cols), work / "done" / f"{part}.stats.parquet")
     ctx = ray.get_runtime_context() if ray.is_initialized() else None
-    marker = {"rows": 0 if rows is None else rows.num_rows, "kept": kept.num_rows, "dropped": dropped.num_rows,
-              "seconds": seconds, "pid": os.getpid(),
-              "task_id": ctx.get_task_id() if ctx else None, "node_id": ctx.get_node_id() if ctx else None}
+    marker = {
+        "rows": 0 if rows is None else rows.num_rows,
+        "kept": kept.num_rows,
+        "dropped": dropped.num_rows,
+        "seconds": seconds,
+        "pid": os.getpid(),
+        "task_id": ctx.get_task_id() if ctx else None,
+        "node_id": ctx.get_node_id() if ctx else None,
+    }
     tmp = work / "done" / f".{part}.json.tmp"
     tmp.write_text(json.dumps(marker))
     tmp.replace(work / "done" / f"{part}.json")  # atomic: a marker is whole or absent
     return kept.num_rows
 
 
-def apply_row_ops(batch: pa.Table, ops: list[Mapper | Filter],
-                  dedup_ops: list[ExactDedup | MinHashDedup]) -> pa.Table:
+def apply_row_ops(batch: pa.Table, ops: list[Mapper | Filter], dedup_ops: list[ExactDedup | MinHashDedup]) -> pa.Table:
     """Run mappers and filters over one batch, then compute the dedup keys of the surviving rows.
 
     Rows a filter rejects stay in the batch, marked with the op, the reason and the stat value (the

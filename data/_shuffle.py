@@ -41,8 +41,9 @@ def split(table: pa.Table, dest: np.ndarray, prefix: str) -> dict[str, pa.Table]
     return {f"{prefix}{int(d[s])}": table.slice(s, e - s) for s, e in zip(starts, ends)}
 
 
-def commit(stage: Path, unit: str, out: dict[str, dict[str, pa.Table]], counters: dict,
-           before_rename=lambda: None) -> None:
+def commit(
+    stage: Path, unit: str, out: dict[str, dict[str, pa.Table]], counters: dict, before_rename=lambda: None
+) -> None:
     """Write one unit's output (`out[kind][dest]`) and counters, then commit it by renaming
     (`before_rename`: a test's fault hook)."""
     tmp = stage / f".tmp-{unit}-{uuid.uuid4().hex}"

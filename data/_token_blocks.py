@@ -26,6 +26,7 @@ ENCODE_BATCH = 512  # texts per tokenizer call
 @dataclass(frozen=True)
 class RowGroups:
     """Row groups of one Parquet file, in file order: a sample unit or one tokenize task's input."""
+
     path: str
     groups: tuple[int, ...]
     rows: int
@@ -56,6 +57,7 @@ def tokenize_unit(i: int, unit: RowGroups, tokenizer_dir: str, eos: int, folder:
     n_tokens = n_docs = 0
     batch: list[str] = []
     with open(_unit_file(folder, i), "wb") as f:
+
         def flush():
             ids = tok(batch, add_special_tokens=False)["input_ids"]
             flat = np.fromiter(chain.from_iterable(x + [eos] for x in ids), dtype=np.int32)
@@ -86,6 +88,7 @@ def hold_out(n_blocks: int, n_eval: int, seed: int, folder: str) -> None:
 class Streams:
     """Round 1's output: `folder` with `unit-<i>.i32`; `starts` (units + 1,) the stream offset of
     each unit's first token, `starts[-1]` the total."""
+
     folder: str
     starts: np.ndarray
 
@@ -104,7 +107,7 @@ class Streams:
             if take > 0:  # an empty unit has no file content to map
                 if u not in maps:
                     maps[u] = np.memmap(_unit_file(self.folder, u), dtype=np.int32, mode="r")
-                out[pos - lo:pos - lo + take] = maps[u][pos - start:pos - start + take]
+                out[pos - lo : pos - lo + take] = maps[u][pos - start : pos - start + take]
                 pos += take
             u += 1
         return out
@@ -127,13 +130,14 @@ def block_ids(split: str, first: int, count: int, folder: str) -> np.ndarray:
     eval id j has E[j] - j train blocks before it, so that count is #{j : E[j] - j ≤ r}."""
     held = np.load(Path(folder) / HELD_OUT, mmap_mode="r")
     if split == "eval":
-        return np.array(held[first:first + count], dtype=np.int64)
+        return np.array(held[first : first + count], dtype=np.int64)
     ranks = np.arange(first, first + count, dtype=np.int64)
     return ranks + np.searchsorted(held - np.arange(len(held)), ranks, side="right")
 
 
-def write_shard(path: str, split: str, first: int, count: int, streams: Streams, block_size: int,
-                vocab: int) -> tuple[np.ndarray | None, tuple]:
+def write_shard(
+    path: str, split: str, first: int, count: int, streams: Streams, block_size: int, vocab: int
+) -> tuple[np.ndarray | None, tuple]:
     """Round 3: one shard file of `count` blocks. Returns the train blocks' token counts (vocab,)
     (None for eval) and the worker."""
     from raypai.train.data import write_shard as write_parquet

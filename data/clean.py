@@ -47,13 +47,23 @@ def _split_recipe(ops: list) -> tuple[list, list]:
     first_dedup = next((i for i, op in enumerate(ops) if is_dedup(op)), len(ops))
     late = [op.name for op in ops[first_dedup:] if not is_dedup(op)]
     if late:
-        raise ConfigError([f"ops {late} come after a dedup op; put mappers and filters before "
-                           "exact_dedup/minhash_dedup"], what="recipe")
+        raise ConfigError(
+            [f"ops {late} come after a dedup op; put mappers and filters before exact_dedup/minhash_dedup"],
+            what="recipe",
+        )
     return ops[:first_dedup], ops[first_dedup:]
 
 
-def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_dir: str | Path | None = None,
-          batch_size: int = 1024, logger=None, progress=None) -> dict:
+def clean(
+    raw_dir: str | Path,
+    out_dir: str | Path,
+    recipe="default",
+    *,
+    work_dir: str | Path | None = None,
+    batch_size: int = 1024,
+    logger=None,
+    progress=None,
+) -> dict:
     """Clean the ingested dataset in `raw_dir` into `out_dir`; return its manifest.
 
     `recipe`: 'default', a YAML path or a list (see `load_recipe`). `work_dir` holds per-shard
@@ -67,9 +77,11 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     ops = load_recipe(recipe)
     row_ops, dedup_ops = _split_recipe(ops)
     if not ray.is_initialized():  # a library never starts Ray itself: the caller says which Ray
-        raise DataError("clean() runs on Ray and none is connected in this process: call "
-                        "raypai.runtime.ensure_ray(Settings.load()) first (raypai's Ray head, RAY_ADDRESS, or a local "
-                        "Ray); `raypai data clean` and pipeline steps do this for you")
+        raise DataError(
+            "clean() runs on Ray and none is connected in this process: call "
+            "raypai.runtime.ensure_ray(Settings.load()) first (raypai's Ray head, RAY_ADDRESS, or a local "
+            "Ray); `raypai data clean` and pipeline steps do this for you"
+        )
     raw = json.loads((raw_dir / "manifest.json").read_text())
     rows_of = {p["file"]: p["rows"] for p in raw["parts"]}
     parts = list(rows_of)
@@ -84,12 +96,25 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
     if pending:
         # largest shards first, so the last task to start is a short one
         pending.sort(key=lambda p: -rows_of[p])
-        setup = ray.put({"raw_dir": str(raw_dir.absolute()), "work": str(work.absolute()), "batch_size": batch_size,
-                         "n_ops": len(ops), "faults": faults, "ops": row_ops, "dedup_ops": dedup_ops})
+        setup = ray.put(
+            {
+                "raw_dir": str(raw_dir.absolute()),
+                "work": str(work.absolute()),
+                "batch_size": batch_size,
+                "n_ops": len(ops),
+                "faults": faults,
+                "ops": row_ops,
+                "dedup_ops": dedup_ops,
+            }
+        )
         task = ray.remote(num_cpus=1, max_retries=FILTER_RETRIES, scheduling_strategy=SPREAD)(ex.filter_shard)
         task = task.options(name="raypai.clean.filter")
-        _run_filter_pass([task.remote(p, setup) for p in pending], {p: rows_of[p] for p in pending}, progress,
-                         done_rows=sum(rows_of[p] for p in parts) - sum(rows_of[p] for p in pending))
+        _run_filter_pass(
+            [task.remote(p, setup) for p in pending],
+            {p: rows_of[p] for p in pending},
+            progress,
+            done_rows=sum(rows_of[p] for p in parts) - sum(rows_of[p] for p in pending),
+        )
     # worker seconds per op of every shard's filtering (resumed shards: from the run that did them)
     seconds, tasks, per_node = np.zeros(len(ops)), set(), {}
     for p in parts:
@@ -107,8 +132,9 @@ def clean(raw_dir: str | Path, out_dir: str | Path, recipe="default", *, work_di
         final = work / "dedup" / "kept"
         pieces = [x for p in parts for x in (work / "dropped" / p, work / "dedup" / "dropped" / p)]
     stats_files = [f for p in parts if (f := work / "done" / f"{p}.stats.parquet").exists()]
-    return _write_outputs(raw_dir, out_dir, raw, final, parts, pieces, ops, seconds, time.time() - t0, logger,
-                          stats_files, filter_info)
+    return _write_outputs(
+        raw_dir, out_dir, raw, final, parts, pieces, ops, seconds, time.time() - t0, logger, stats_files, filter_info
+    )
 
 
 def _prepare_work(work: Path, recipe_desc: list) -> None:
@@ -142,8 +168,10 @@ def _run_filter_pass(refs: list, expected: dict[str, int], progress, done_rows: 
             (ref,), waiting = ray.wait(waiting, num_returns=1)
             shard, rows, _ = ray.get(ref)
             if rows != expected[shard]:
-                raise DataError(f"shard {shard}: {rows} rows came out of the filter pass, {expected[shard]} "
-                                "went in; this is a raypai bug, report it")
+                raise DataError(
+                    f"shard {shard}: {rows} rows came out of the filter pass, {expected[shard]} "
+                    "went in; this is a raypai bug, report it"
+                )
             committed += 1
             done_rows += rows
             progress(done_rows, total, "rows")
@@ -151,9 +179,11 @@ def _run_filter_pass(refs: list, expected: dict[str, int], progress, done_rows: 
         for ref in waiting:  # shards not committed stay pending for the next run
             ray.cancel(ref)
         ray.wait(waiting, num_returns=len(waiting), timeout=30)  # let cancelled tasks stop before the caller retries
-        raise DataError(f"the filter pass failed after {committed}/{len(expected)} shards were committed "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                        "the committed shards stay in work_dir: run the same clean again to resume") from exc
+        raise DataError(
+            f"the filter pass failed after {committed}/{len(expected)} shards were committed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "the committed shards stay in work_dir: run the same clean again to resume"
+        ) from exc
 
 
 def _op_stats(ops, input_rows: int, by_op: dict[str, int], seconds) -> list[dict]:
@@ -162,14 +192,23 @@ def _op_stats(ops, input_rows: int, by_op: dict[str, int], seconds) -> list[dict
     rows, alive = [], input_rows
     for i, op in enumerate(ops):
         n_drop = int(by_op.get(op.name, 0))
-        rows.append({"op_index": i, "op_name": op.name, "rows_in": alive, "rows_out": alive - n_drop,
-                     "dropped": n_drop, "seconds": round(float(seconds[i]), 4)})
+        rows.append(
+            {
+                "op_index": i,
+                "op_name": op.name,
+                "rows_in": alive,
+                "rows_out": alive - n_drop,
+                "dropped": n_drop,
+                "seconds": round(float(seconds[i]), 4),
+            }
+        )
         alive -= n_drop
     return rows
 
 
-def _write_outputs(raw_dir, out_dir, raw, final: Path, parts, pieces, ops, seconds, t_run, logger, stats_files,
-                   filter_info) -> dict:
+def _write_outputs(
+    raw_dir, out_dir, raw, final: Path, parts, pieces, ops, seconds, t_run, logger, stats_files, filter_info
+) -> dict:
     """Output shards (one Ray task per non-empty part: its final kept rows), `dropped.parquet`
     (one task streaming the drop records), the report (one task); the driver adds up counters."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +219,10 @@ def _write_outputs(raw_dir, out_dir, raw, final: Path, parts, pieces, ops, secon
     write = ray.remote(num_cpus=1, max_retries=FILTER_RETRIES, scheduling_strategy=SPREAD)
     refs = [write(wr.write_shard).remote(str(final / p), str(out_dir / n)) for p, n in names.items()]
     if not names:  # a dataset with no rows left: one empty shard, so readers find the schema
-        names, refs = {"": "part-00000.parquet"}, [write(wr.write_empty_shard).remote(str(out_dir / "part-00000.parquet"))]
+        names, refs = (
+            {"": "part-00000.parquet"},
+            [write(wr.write_empty_shard).remote(str(out_dir / "part-00000.parquet"))],
+        )
     drops = write(wr.merge_dropped).remote([str(x) for x in pieces], str(out_dir / "dropped.parquet"))
     shards = [{"file": n, "rows": r["rows"], "sha256": r["sha256"]} for n, r in zip(names.values(), ray.get(refs))]
     text_bytes = sum(r["text_bytes"] for r in ray.get(refs))
@@ -189,20 +231,44 @@ def _write_outputs(raw_dir, out_dir, raw, final: Path, parts, pieces, ops, secon
     op_stats = _op_stats(ops, raw["rows"], drops["by_op"], seconds)
     kept = sum(s["rows"] for s in shards)
     total_input = raw["rows"] + raw["rejected"]
-    accounting = {"input_rows": total_input, "kept": kept, "dropped": sum(drops["by_op"].values()),
-                  "rejected": raw["rejected"], "dropped_by_op": {r["op_name"]: r["dropped"] for r in op_stats}}
-    if total_input != kept + sum(accounting["dropped_by_op"].values()) + raw["rejected"] or \
-            accounting["dropped"] != sum(accounting["dropped_by_op"].values()):
-        raise DataError(f"accounting invariant broken: input {total_input} != kept {kept} + dropped "
-                        f"{accounting['dropped_by_op']} + rejected {raw['rejected']}; this is a raypai bug, report it")
-    manifest = {"kind": "dataset", "schema": KEEP_COLUMNS, "rows": kept, "shards": shards,
-                "sources": raw["files"], "recipe": describe(ops), "op_stats": op_stats, "accounting": accounting,
-                "seconds": round(t_run, 2), "filter": filter_info, "text_bytes": text_bytes}
+    accounting = {
+        "input_rows": total_input,
+        "kept": kept,
+        "dropped": sum(drops["by_op"].values()),
+        "rejected": raw["rejected"],
+        "dropped_by_op": {r["op_name"]: r["dropped"] for r in op_stats},
+    }
+    if total_input != kept + sum(accounting["dropped_by_op"].values()) + raw["rejected"] or accounting[
+        "dropped"
+    ] != sum(accounting["dropped_by_op"].values()):
+        raise DataError(
+            f"accounting invariant broken: input {total_input} != kept {kept} + dropped "
+            f"{accounting['dropped_by_op']} + rejected {raw['rejected']}; this is a raypai bug, report it"
+        )
+    manifest = {
+        "kind": "dataset",
+        "schema": KEEP_COLUMNS,
+        "rows": kept,
+        "shards": shards,
+        "sources": raw["files"],
+        "recipe": describe(ops),
+        "op_stats": op_stats,
+        "accounting": accounting,
+        "seconds": round(t_run, 2),
+        "filter": filter_info,
+        "text_bytes": text_bytes,
+    }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     ray.get(write(write_report).remote(out_dir, manifest, wr.samples_table(drops["samples"]), stats_files))
     if logger is not None:
-        logger.log_metrics({"kept": kept, "dropped": accounting["dropped"], "rejected": raw["rejected"],
-                            **{f"dropped.{k}": v for k, v in accounting["dropped_by_op"].items()}})
+        logger.log_metrics(
+            {
+                "kept": kept,
+                "dropped": accounting["dropped"],
+                "rejected": raw["rejected"],
+                **{f"dropped.{k}": v for k, v in accounting["dropped_by_op"].items()},
+            }
+        )
     return manifest
 
 
@@ -222,18 +288,31 @@ def _dedup(kept: pa.Table, op) -> tuple[pa.Table, pa.Table]:
         dups = op.find(kept.column("text"), sigs.reshape(kept.num_rows, op.num_perm))  # (N, num_perm) signatures
         keeper, gone_rows = dups.keeper, dups.dropped
         stat = pa.array(dups.similarity[gone_rows], pa.float64())
-        reasons = [f"near-duplicate of {ids[p]} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); "
-                   f"cluster kept {ids[k]}" for p, s, e, k in zip(dups.partner[gone_rows].tolist(),
-                                                                  dups.similarity[gone_rows].tolist(),
-                                                                  dups.exact[gone_rows].tolist(),
-                                                                  keeper[gone_rows].tolist())]
+        reasons = [
+            f"near-duplicate of {ids[p]} (Jaccard {s:.3f}, {'exact' if e else 'MinHash estimate'}); "
+            f"cluster kept {ids[k]}"
+            for p, s, e, k in zip(
+                dups.partner[gone_rows].tolist(),
+                dups.similarity[gone_rows].tolist(),
+                dups.exact[gone_rows].tolist(),
+                keeper[gone_rows].tolist(),
+            )
+        ]
     mask = np.zeros(kept.num_rows, dtype=bool)
     mask[gone_rows] = True
     gone = kept.take(pa.array(gone_rows, pa.int64()))
-    records = pa.table({"doc_id": gone.column("doc_id"), "source": gone.column("source"),
-                        "op": [op.name] * len(gone_rows), "reason": reasons, "stat": stat,
-                        "cluster_id": [ids[k] for k in np.asarray(keeper)[gone_rows].tolist()],
-                        "text": gone.column("text")}, schema=DROP_SCHEMA)
+    records = pa.table(
+        {
+            "doc_id": gone.column("doc_id"),
+            "source": gone.column("source"),
+            "op": [op.name] * len(gone_rows),
+            "reason": reasons,
+            "stat": stat,
+            "cluster_id": [ids[k] for k in np.asarray(keeper)[gone_rows].tolist()],
+            "text": gone.column("text"),
+        },
+        schema=DROP_SCHEMA,
+    )
     return kept.filter(pa.array(~mask)), records
 
 

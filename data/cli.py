@@ -1,7 +1,7 @@
 """`raypai data …`: synthesise a corpus, clean a folder of raw files.
 
-    raypai data synth raw/ --docs 3000
-    raypai data clean --recipe recipe.yaml raw/ cleaned/
+raypai data synth raw/ --docs 3000
+raypai data clean --recipe recipe.yaml raw/ cleaned/
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ def synth_cmd(out_dir: Path, docs: int = 2000, files: int = 4, seed: int = 0):
 
 
 @app.command("clean")
-def clean_cmd(input_dir: str, output_dir: Path, recipe: str = typer.Option("default", help="YAML recipe or 'default'"),
-              text_mode: str = "paragraphs"):
+def clean_cmd(
+    input_dir: str,
+    output_dir: Path,
+    recipe: str = typer.Option("default", help="YAML recipe or 'default'"),
+    text_mode: str = "paragraphs",
+):
     """Ingest INPUT_DIR (.jsonl/.parquet/.txt) and clean it into OUTPUT_DIR on a local Ray."""
     import ray
 
@@ -45,5 +49,7 @@ def clean_cmd(input_dir: str, output_dir: Path, recipe: str = typer.Option("defa
     finally:
         ray.shutdown()
     a = out["accounting"]
-    typer.echo(f"kept {a['kept']}, dropped {a['dropped']}, rejected {a['rejected']} of {a['input_rows']}; "
-               f"report: {output_dir / 'report.md'}")
+    typer.echo(
+        f"kept {a['kept']}, dropped {a['dropped']}, rejected {a['rejected']} of {a['input_rows']}; "
+        f"report: {output_dir / 'report.md'}"
+    )

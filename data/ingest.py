@@ -29,8 +29,14 @@ from raypai.errors import DataError
 
 DOC_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string())])
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("reason", pa.string()), ("raw", pa.string())])
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".txt": "text",
-            ".md": "text"}
+SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".md": "text",
+}
 _CHUNK = 1 << 16  # bytes read at a time while looking for a range boundary
 
 
@@ -49,6 +55,7 @@ class _Range:
     """One unit of ingest work: bytes [start, end) of a JSONL/text file, or row groups [start, end)
     of a Parquet file. `first`: line number of the first line (bytes), row number of the first row
     (Parquet)."""
+
     path: str
     rel: str
     kind: str
@@ -79,9 +86,13 @@ def list_inputs(uri: str | Path) -> tuple[pafs.FileSystem, str, list[str]]:
         raise DataError(f"input {uri} does not exist; pass a folder (or file) of .jsonl/.parquet/.txt files")
     if info.type == pafs.FileType.File:
         return fs, str(Path(root).parent), [root]
-    files = sorted(f.path for f in fs.get_file_info(pafs.FileSelector(root, recursive=True))
-                   if f.type == pafs.FileType.File and Path(f.path).suffix.lower() in SUFFIXES
-                   and not Path(f.path).name.startswith(("_", ".")))  # _/. files are metadata, not data
+    files = sorted(
+        f.path
+        for f in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+        if f.type == pafs.FileType.File
+        and Path(f.path).suffix.lower() in SUFFIXES
+        and not Path(f.path).name.startswith(("_", "."))
+    )  # _/. files are metadata, not data
     if not files:
         raise DataError(f"input folder {uri} holds no .jsonl, .parquet or .txt files; put the raw text there")
     return fs, root, files
@@ -105,7 +116,10 @@ def _rows_jsonl(data: bytes, rel: str, cfg: IngestConfig, first: int = 1):
         if not isinstance(obj, dict) or cfg.text_field not in obj:
             yield None, (src, f"missing field {cfg.text_field!r}", text[:200])
         elif not isinstance(obj[cfg.text_field], str):
-            yield None, (src, f"field {cfg.text_field!r} is {type(obj[cfg.text_field]).__name__}, not a string", text[:200])
+            yield (
+                None,
+                (src, f"field {cfg.text_field!r} is {type(obj[cfg.text_field]).__name__}, not a string", text[:200]),
+            )
         else:
             yield (src, obj[cfg.text_field]), None
 
@@ -149,6 +163,7 @@ def _rows_parquet(fs, r: _Range, cfg: IngestConfig):
 
 
 # ----------------------------------------------------------------------------- range boundaries
+
 
 def _lines(f, pos: int, size: int):
     """(end offset, bytes) of each line from byte `pos` on, reading `_CHUNK` bytes at a time."""
@@ -250,11 +265,12 @@ def _map(fn, calls: list[tuple]) -> list:
 
 # ----------------------------------------------------------------------------- plan and run
 
+
 def _plan(fs, root: str, files: list[str], cfg: IngestConfig) -> tuple[list[_Range], list[tuple]]:
     """Nominal ranges of every file (Parquet: from its footer) and file-level rejections."""
     ranges, rejected = [], []
     for n, path in enumerate(files):
-        rel = path[len(root.rstrip("/")) + 1:] if path.startswith(root) else Path(path).name
+        rel = path[len(root.rstrip("/")) + 1 :] if path.startswith(root) else Path(path).name
         kind = SUFFIXES[Path(path).suffix.lower()]
         if kind == "parquet":
             try:
@@ -264,8 +280,9 @@ def _plan(fs, root: str, files: list[str], cfg: IngestConfig) -> tuple[list[_Ran
                 rejected.append((n, (rel, f"unreadable Parquet: {exc}", "")))
                 continue
             if cfg.text_field not in meta.schema.names:
-                rejected.append((n, (rel, f"Parquet file has no column {cfg.text_field!r} "
-                                          f"(columns: {meta.schema.names})", "")))
+                rejected.append(
+                    (n, (rel, f"Parquet file has no column {cfg.text_field!r} (columns: {meta.schema.names})", ""))
+                )
                 continue
             k, g0, size, row = 0, 0, 0, 0
             for g in range(meta.num_row_groups):  # whole row groups, about block_bytes (uncompressed) each
@@ -277,8 +294,10 @@ def _plan(fs, root: str, files: list[str], cfg: IngestConfig) -> tuple[list[_Ran
             continue
         size = fs.get_file_info(path).size
         cuts = 1 if kind == "text" and cfg.text_mode == "file" else max(1, -(-size // cfg.block_bytes))
-        ranges += [_Range(path, rel, kind, n, k, k * cfg.block_bytes, size if k == cuts - 1 else (k + 1) * cfg.block_bytes)
-                   for k in range(cuts)]
+        ranges += [
+            _Range(path, rel, kind, n, k, k * cfg.block_bytes, size if k == cuts - 1 else (k + 1) * cfg.block_bytes)
+            for k in range(cuts)
+        ]
     return ranges, rejected
 
 
@@ -301,8 +320,9 @@ def _align(fs, ranges: list[_Range], cfg: IngestConfig) -> tuple[list[_Range], l
         with fs.open_input_file(r.path) as f:
             head = f.read(200).decode("utf-8", "replace")
         rejected.append((n, (r.rel, f"invalid UTF-8 at byte {at}; file skipped", head)))
-    out = [aligned[r] if r in aligned else r for r in ranges
-           if r.file not in bad and (r.file not in multi or r in aligned)]
+    out = [
+        aligned[r] if r in aligned else r for r in ranges if r.file not in bad and (r.file not in multi or r in aligned)
+    ]
     return out, rejected
 
 
@@ -313,8 +333,9 @@ def ingest(input_uri: str | Path, out_dir: str | Path, config: IngestConfig | No
     if cfg.text_mode not in ("file", "paragraphs"):
         raise DataError(f"text_mode {cfg.text_mode!r} is unknown; use 'file' or 'paragraphs'")
     if not isinstance(cfg.block_bytes, int) or cfg.block_bytes < 1:
-        raise DataError(f"block_bytes must be a positive number of bytes (got {cfg.block_bytes!r}); "
-                        "the default is 32 MiB")
+        raise DataError(
+            f"block_bytes must be a positive number of bytes (got {cfg.block_bytes!r}); the default is 32 MiB"
+        )
     input_uri = str(input_uri)
     fs, root, files = list_inputs(input_uri)
     out = Path(out_dir)
@@ -329,9 +350,16 @@ def ingest(input_uri: str | Path, out_dir: str | Path, config: IngestConfig | No
         _write_rejected([row], str(out / "_rejected" / f"{n:05d}-00000.parquet"))
     parts = _map(_ingest_range, [(fs, r, str(out), cfg) for r in ranges])
     n_rejected = _map(_merge_rejected, [(str(out),)])[0]
-    rel = [p[len(root.rstrip("/")) + 1:] if p.startswith(root) else Path(p).name for p in files]
-    manifest = {"kind": "raw_dataset", "input": input_uri, "files": rel, "parts": parts,
-                "rows": sum(p["rows"] for p in parts), "rejected": n_rejected, "schema": DOC_SCHEMA.names,
-                "block_bytes": cfg.block_bytes}
+    rel = [p[len(root.rstrip("/")) + 1 :] if p.startswith(root) else Path(p).name for p in files]
+    manifest = {
+        "kind": "raw_dataset",
+        "input": input_uri,
+        "files": rel,
+        "parts": parts,
+        "rows": sum(p["rows"] for p in parts),
+        "rejected": n_rejected,
+        "schema": DOC_SCHEMA.names,
+        "block_bytes": cfg.block_bytes,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest

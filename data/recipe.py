@@ -1,10 +1,10 @@
 """Recipes: an ordered list of ops with parameters, from Python or YAML.
 
-    ops:
-      - whitespace_normalize
-      - word_count: {min_value: 20}
-      - minhash_dedup: {num_bands: 14, rows_per_band: 8}
-      - my_pkg.ops:MyFilter: {threshold: 0.3}     # a custom op by import path
+ops:
+  - whitespace_normalize
+  - word_count: {min_value: 20}
+  - minhash_dedup: {num_bands: 14, rows_per_band: 8}
+  - my_pkg.ops:MyFilter: {threshold: 0.3}     # a custom op by import path
 """
 
 from __future__ import annotations
@@ -19,8 +19,18 @@ import yaml
 from raypai.config import coerce, type_name, unknown_key
 from raypai.data.ops.base import Filter, Mapper
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
-from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
-                                     GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
+from raypai.data.ops.filters import (
+    AlnumRatio,
+    CharRepetition,
+    FineWebQuality,
+    FlaggedWords,
+    GopherQuality,
+    GopherRepetition,
+    MeanWordLength,
+    SpecialCharRatio,
+    WordCount,
+    WordRepetition,
+)
 from raypai.data.ops.language import Language
 from raypai.data.ops.mappers import BoilerplateStrip, PIIRedact, PunctuationNormalize, UnicodeNFC, WhitespaceNormalize
 from raypai.errors import ConfigError
@@ -47,10 +57,22 @@ OPS = {
 }
 
 DEFAULT_RECIPE = [
-    "unicode_nfc", "boilerplate_strip", "whitespace_normalize", "punctuation_normalize", "pii_redact",
-    {"word_count": {"min_value": 20}}, "mean_word_length", "alnum_ratio", "special_char_ratio",
-    "char_repetition", "word_repetition", "gopher_repetition", "flagged_words", "language",
-    "exact_dedup", "minhash_dedup",
+    "unicode_nfc",
+    "boilerplate_strip",
+    "whitespace_normalize",
+    "punctuation_normalize",
+    "pii_redact",
+    {"word_count": {"min_value": 20}},
+    "mean_word_length",
+    "alnum_ratio",
+    "special_char_ratio",
+    "char_repetition",
+    "word_repetition",
+    "gopher_repetition",
+    "flagged_words",
+    "language",
+    "exact_dedup",
+    "minhash_dedup",
 ]
 
 
@@ -129,8 +151,10 @@ def _not_an_op(op, i: int, name: str) -> str | None:
     mapper, a filter nor a dedup op would fail on every Ray worker instead of here."""
     if isinstance(op, Mapper | Filter) or is_dedup(op):
         return None
-    return (f"op #{i} {name}: {type(op).__name__} is not an op; a mapper has `name` and `map_texts(texts)`, a "
-            "filter `name`, `stats(texts)` and `keep(stats)` (see raypai.data.ops.base)")
+    return (
+        f"op #{i} {name}: {type(op).__name__} is not an op; a mapper has `name` and `map_texts(texts)`, a "
+        "filter `name`, `stats(texts)` and `keep(stats)` (see raypai.data.ops.base)"
+    )
 
 
 def _check_params(cls, name: str, params: dict, i: int) -> tuple[dict, list[str]]:
@@ -150,7 +174,9 @@ def _check_params(cls, name: str, params: dict, i: int) -> tuple[dict, list[str]
         try:
             out[k] = coerce(hints.get(k, typing.Any), v)
         except ValueError:
-            errs.append(f"op #{i} {name}: parameter {k!r} must be {type_name(hints.get(k))} (got {type(v).__name__} {v!r})")
+            errs.append(
+                f"op #{i} {name}: parameter {k!r} must be {type_name(hints.get(k))} (got {type(v).__name__} {v!r})"
+            )
     return out, errs
 
 
@@ -158,7 +184,14 @@ def describe(ops: list) -> list[dict]:
     """JSON-able description of a recipe (stored in the manifest and logged to MLflow)."""
     out = []
     for op in ops:
-        params = {f.name: getattr(op, f.name) for f in dataclasses.fields(op)
-                  if not f.name.startswith("_") and f.name != "name"} if dataclasses.is_dataclass(op) else {}
+        params = (
+            {
+                f.name: getattr(op, f.name)
+                for f in dataclasses.fields(op)
+                if not f.name.startswith("_") and f.name != "name"
+            }
+            if dataclasses.is_dataclass(op)
+            else {}
+        )
         out.append({"op": op.name, "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in params.items()}})
     return out

@@ -41,12 +41,19 @@ def _histograms(out_dir: Path, stats_files: list[Path]) -> list[str]:
 
 def write_report(out_dir: Path, manifest: dict, dropped: pa.Table, stats_files: list[Path]) -> None:
     acc = manifest["accounting"]
-    lines = ["# Cleaning report", "",
-             f"input rows {acc['input_rows']} = kept {acc['kept']} + dropped {acc['dropped']} + rejected "
-             f"{acc['rejected']}", "", "| # | op | rows in | rows out | dropped | seconds |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Cleaning report",
+        "",
+        f"input rows {acc['input_rows']} = kept {acc['kept']} + dropped {acc['dropped']} + rejected {acc['rejected']}",
+        "",
+        "| # | op | rows in | rows out | dropped | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in manifest["op_stats"]:
-        lines.append(f"| {r['op_index']} | {r['op_name']} | {r['rows_in']} | {r['rows_out']} | {r['dropped']} | "
-                     f"{r['seconds']:.3f} |")
+        lines.append(
+            f"| {r['op_index']} | {r['op_name']} | {r['rows_in']} | {r['rows_out']} | {r['dropped']} | "
+            f"{r['seconds']:.3f} |"
+        )
     pngs = _histograms(out_dir, stats_files)
     if pngs:
         lines += ["", "## Stat distributions (before thresholds)", ""] + [f"![{p}]({p})" for p in pngs]
@@ -62,6 +69,8 @@ def write_report(out_dir: Path, manifest: dict, dropped: pa.Table, stats_files: 
         lines.append("")
     md = "\n".join(lines)
     (out_dir / "report.md").write_text(md)
-    body = "".join(f"<p>{html.escape(ln)}</p>" if not ln.startswith("![") else
-                   f'<img src="{ln[ln.index("(") + 1:-1]}">' for ln in lines)
+    body = "".join(
+        f"<p>{html.escape(ln)}</p>" if not ln.startswith("![") else f'<img src="{ln[ln.index("(") + 1 : -1]}">'
+        for ln in lines
+    )
     (out_dir / "report.html").write_text(f"<!doctype html><meta charset=utf-8><title>cleaning report</title>{body}")

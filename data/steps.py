@@ -33,8 +33,9 @@ def ingest(ctx: StepContext, raw: Artifact, text_field: str = "text", text_mode:
     out = ctx.output_dir("raw")
     manifest = ingest_files(str(raw.local_path()), out, IngestConfig(text_field=text_field, text_mode=text_mode))
     ctx.log_metrics({"rows": manifest["rows"], "rejected": manifest["rejected"]})
-    return ctx.save(out, kind="dataset", name="raw", metadata={"rows": manifest["rows"],
-                                                                 "rejected": manifest["rejected"]})
+    return ctx.save(
+        out, kind="dataset", name="raw", metadata={"rows": manifest["rows"], "rejected": manifest["rejected"]}
+    )
 
 
 @step(cpus=1)
@@ -43,28 +44,36 @@ def clean(ctx: StepContext, raw: Artifact, recipe: str = "default") -> Artifact:
     ops = load_recipe(recipe)
     out = ctx.output_dir("clean")
     # per-shard progress kept under the step call's work folder: a resumed run skips finished shards
-    manifest = clean_dataset(raw.local_path(), out, ops, work_dir=ctx.work_dir("clean"),
-                             logger=ctx.logger, progress=ctx.progress)
+    manifest = clean_dataset(
+        raw.local_path(), out, ops, work_dir=ctx.work_dir("clean"), logger=ctx.logger, progress=ctx.progress
+    )
     ctx.log_metrics({"kept": manifest["accounting"]["kept"], "dropped": manifest["accounting"]["dropped"]})
     if ctx.logger:
         ctx.logger.log_artifact(out / "report.md", "report")
         if (out / "report").exists():
             ctx.logger.log_artifacts(out / "report", "report/report")
-    art = ctx.save(out, kind="dataset", name="clean", metadata={"rows": manifest["rows"],
-                                                                 "accounting": manifest["accounting"]})
+    art = ctx.save(
+        out, kind="dataset", name="clean", metadata={"rows": manifest["rows"], "accounting": manifest["accounting"]}
+    )
     ctx.record_op_stats(art, manifest["op_stats"])
     return art
 
 
 @step(cpus=1)
-def train_tokenizer(ctx: StepContext, dataset: Artifact, vocab_size: int = 2048,
-                    sample_bytes: int | None = None) -> Artifact:
+def train_tokenizer(
+    ctx: StepContext, dataset: Artifact, vocab_size: int = 2048, sample_bytes: int | None = None
+) -> Artifact:
     """BPE on the dataset's text streamed row group by row group; `sample_bytes` caps the sample
     (whole row groups in a seeded order), None trains on all of it."""
     out = ctx.output_dir("tokenizer")
     info = train_bpe(dataset.local_path(), out, vocab_size=vocab_size, sample_bytes=sample_bytes)
-    ctx.log_metrics({"vocab_size": info["vocab_size"], "sample_bytes": info["sample"]["bytes"],
-                     "sample_documents": info["sample"]["documents"]})
+    ctx.log_metrics(
+        {
+            "vocab_size": info["vocab_size"],
+            "sample_bytes": info["sample"]["bytes"],
+            "sample_documents": info["sample"]["documents"],
+        }
+    )
     return ctx.save(out, kind="tokenizer", name="tokenizer", metadata=info)
 
 
@@ -73,7 +82,17 @@ def tokenize(ctx: StepContext, dataset: Artifact, tokenizer: Artifact, block_siz
     """Token shards written by Ray tasks (this step's Ray): tokenize per row groups, write per shard."""
     out = ctx.output_dir("shards")
     m = tokenize_dataset(dataset.local_path(), tokenizer.local_path(), out, block_size=block_size)
-    ctx.log_metrics({"num_blocks": m["num_blocks"], "num_tokens": m["num_tokens"],
-                     "unigram_entropy_nats": m["unigram_entropy_nats"], **m["work"]})
-    return ctx.save(out, kind="token_shards", name="token_shards",
-                    metadata={k: v for k, v in m.items() if k not in ("files", "work")})
+    ctx.log_metrics(
+        {
+            "num_blocks": m["num_blocks"],
+            "num_tokens": m["num_tokens"],
+            "unigram_entropy_nats": m["unigram_entropy_nats"],
+            **m["work"],
+        }
+    )
+    return ctx.save(
+        out,
+        kind="token_shards",
+        name="token_shards",
+        metadata={k: v for k, v in m.items() if k not in ("files", "work")},
+    )

@@ -19,40 +19,160 @@ import random
 import re
 from pathlib import Path
 
-SUBJECTS = ("the old miller", "a young teacher", "the river pilot", "our neighbour", "the village doctor",
-            "a travelling painter", "the harbour master", "my grandmother", "the station clerk", "a quiet student",
-            "the baker", "the carpenter", "a tired soldier", "the librarian", "the gardener")
-VERBS = ("walked", "wrote", "remembered", "carried", "painted", "counted", "watched", "repaired", "described",
-         "explained", "borrowed", "discovered", "measured", "followed", "planted")
-OBJECTS = ("a letter to the council", "the broken lantern", "the long road north", "a basket of apples",
-           "the winter storms", "an account of the harvest", "the map of the valley", "a song about the sea",
-           "the names of the stars", "the price of bread", "a small wooden boat", "the history of the town",
-           "a cart full of hay", "the new school roof", "an old family recipe", "the flooded cellar",
-           "a parcel from the coast", "the copper kettle", "a ledger of debts", "the rules of the game")
-PLACES = ("near the bridge", "before dawn", "in the market square", "after the rain", "by the old mill",
-          "during the festival", "at the edge of the forest", "in the quiet evening", "on the northern hill",
-          "beside the harbour", "under the chestnut trees", "on a cold morning", "behind the church",
-          "across the frozen lake", "at the crossroads", "in the crowded inn", "along the canal",
-          "under a grey sky", "near the salt marsh", "on the last day of summer")
-CLAUSES = ("and nobody said a word about it", "because the weather had finally changed",
-           "while the children played in the street", "although it was later than usual",
-           "so that everyone would know what happened", "and then went home to rest",
-           "as the bells rang across the valley", "which surprised most of the people there",
-           "though few believed the story", "until the lamps were lit", "without asking anyone for help",
-           "before the guests arrived", "while the dogs slept by the fire", "since the road was closed",
-           "even though the wind kept rising", "and wrote it all down that night", "for reasons never explained",
-           "after a long argument about money", "so the mayor sent a letter of thanks",
-           "while a cart rattled past outside")
-GUTENBERG_HEAD = ("The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere in the "
-                  "United States and most other parts of the world at no cost.\n\n*** START OF THE PROJECT "
-                  "GUTENBERG EBOOK {title} ***\n\n")
-GUTENBERG_TAIL = "\n\n*** END OF THE PROJECT GUTENBERG EBOOK {title} ***\n\nUpdated editions will replace the previous one."
+SUBJECTS = (
+    "the old miller",
+    "a young teacher",
+    "the river pilot",
+    "our neighbour",
+    "the village doctor",
+    "a travelling painter",
+    "the harbour master",
+    "my grandmother",
+    "the station clerk",
+    "a quiet student",
+    "the baker",
+    "the carpenter",
+    "a tired soldier",
+    "the librarian",
+    "the gardener",
+)
+VERBS = (
+    "walked",
+    "wrote",
+    "remembered",
+    "carried",
+    "painted",
+    "counted",
+    "watched",
+    "repaired",
+    "described",
+    "explained",
+    "borrowed",
+    "discovered",
+    "measured",
+    "followed",
+    "planted",
+)
+OBJECTS = (
+    "a letter to the council",
+    "the broken lantern",
+    "the long road north",
+    "a basket of apples",
+    "the winter storms",
+    "an account of the harvest",
+    "the map of the valley",
+    "a song about the sea",
+    "the names of the stars",
+    "the price of bread",
+    "a small wooden boat",
+    "the history of the town",
+    "a cart full of hay",
+    "the new school roof",
+    "an old family recipe",
+    "the flooded cellar",
+    "a parcel from the coast",
+    "the copper kettle",
+    "a ledger of debts",
+    "the rules of the game",
+)
+PLACES = (
+    "near the bridge",
+    "before dawn",
+    "in the market square",
+    "after the rain",
+    "by the old mill",
+    "during the festival",
+    "at the edge of the forest",
+    "in the quiet evening",
+    "on the northern hill",
+    "beside the harbour",
+    "under the chestnut trees",
+    "on a cold morning",
+    "behind the church",
+    "across the frozen lake",
+    "at the crossroads",
+    "in the crowded inn",
+    "along the canal",
+    "under a grey sky",
+    "near the salt marsh",
+    "on the last day of summer",
+)
+CLAUSES = (
+    "and nobody said a word about it",
+    "because the weather had finally changed",
+    "while the children played in the street",
+    "although it was later than usual",
+    "so that everyone would know what happened",
+    "and then went home to rest",
+    "as the bells rang across the valley",
+    "which surprised most of the people there",
+    "though few believed the story",
+    "until the lamps were lit",
+    "without asking anyone for help",
+    "before the guests arrived",
+    "while the dogs slept by the fire",
+    "since the road was closed",
+    "even though the wind kept rising",
+    "and wrote it all down that night",
+    "for reasons never explained",
+    "after a long argument about money",
+    "so the mayor sent a letter of thanks",
+    "while a cart rattled past outside",
+)
+GUTENBERG_HEAD = (
+    "The Project Gutenberg eBook of {title}\n\nThis ebook is for the use of anyone anywhere in the "
+    "United States and most other parts of the world at no cost.\n\n*** START OF THE PROJECT "
+    "GUTENBERG EBOOK {title} ***\n\n"
+)
+GUTENBERG_TAIL = (
+    "\n\n*** END OF THE PROJECT GUTENBERG EBOOK {title} ***\n\nUpdated editions will replace the previous one."
+)
 
 
-NAMES = ("Ada", "Bram", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lior",
-         "Mara", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Sven", "Tomas", "Uma", "Vera", "Wim", "Yara")
-ADJ = ("quiet", "bright", "narrow", "ancient", "cheerful", "muddy", "golden", "stubborn", "gentle", "crowded",
-       "distant", "careful", "humble", "restless", "patient", "weathered")
+NAMES = (
+    "Ada",
+    "Bram",
+    "Clara",
+    "Dmitri",
+    "Elena",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Lior",
+    "Mara",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tomas",
+    "Uma",
+    "Vera",
+    "Wim",
+    "Yara",
+)
+ADJ = (
+    "quiet",
+    "bright",
+    "narrow",
+    "ancient",
+    "cheerful",
+    "muddy",
+    "golden",
+    "stubborn",
+    "gentle",
+    "crowded",
+    "distant",
+    "careful",
+    "humble",
+    "restless",
+    "patient",
+    "weathered",
+)
 
 
 def _sentence(rng: random.Random) -> str:
@@ -87,7 +207,7 @@ def near_duplicate(text: str, rng: random.Random, edits: int) -> str:
 def shingle_set(text: str, n: int = 5) -> set[tuple[str, ...]]:
     """Word n-grams of the lower-cased text without punctuation (what `minhash_dedup` compares)."""
     words = re.findall(r"\w+", text.lower())
-    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+    return {tuple(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
 
 
 def jaccard(a: str, b: str) -> float:
@@ -107,7 +227,7 @@ def near_miss(text: str, rng: random.Random, low: float = 0.4, high: float = 0.7
         for seg in rng.sample(range(16), 16):
             fresh = prose(rng, 4).replace("\n\n", " ").split(" ")
             size = cuts[seg + 1] - cuts[seg]
-            out[cuts[seg]:cuts[seg + 1]] = (fresh * (size // len(fresh) + 1))[:size]  # same length: cuts stay valid
+            out[cuts[seg] : cuts[seg + 1]] = (fresh * (size // len(fresh) + 1))[:size]  # same length: cuts stay valid
             j = jaccard(text, " ".join(out))
             if j <= target:
                 break
@@ -118,12 +238,14 @@ def near_miss(text: str, rng: random.Random, low: float = 0.4, high: float = 0.7
 
 def _pii(rng: random.Random) -> str:
     name = rng.choice(("anna", "li.wei", "jose", "mark_t", "sara"))
-    return rng.choice((
-        f"Write to {name}@example.org for details.",
-        f"The server at 192.168.{rng.randint(0, 255)}.{rng.randint(1, 254)} answered.",
-        f"Call +1 415-555-{rng.randint(1000, 9999)} after six.",
-        f"Its address is 2001:db8:85a3::8a2e:370:{rng.randint(1000, 9999)} on the new network.",
-    ))
+    return rng.choice(
+        (
+            f"Write to {name}@example.org for details.",
+            f"The server at 192.168.{rng.randint(0, 255)}.{rng.randint(1, 254)} answered.",
+            f"Call +1 415-555-{rng.randint(1000, 9999)} after six.",
+            f"Its address is 2001:db8:85a3::8a2e:370:{rng.randint(1000, 9999)} on the new network.",
+        )
+    )
 
 
 def synth(out_dir: str | Path, *, docs: int = 2000, files: int = 4, seed: int = 0) -> dict:
@@ -134,8 +256,18 @@ def synth(out_dir: str | Path, *, docs: int = 2000, files: int = 4, seed: int = 
     rows: list[tuple] = []  # (category, record or None, expected[, index into originals, jaccard with it])
     originals: list[str] = []
     original_row: list[int] = []  # row index of each original
-    weights = {"clean": 0.49, "exact_dup": 0.08, "near_dup": 0.08, "near_miss": 0.06, "boilerplate": 0.05, "pii": 0.08,
-               "gibberish": 0.05, "short": 0.04, "repetitive": 0.04, "broken": 0.03}
+    weights = {
+        "clean": 0.49,
+        "exact_dup": 0.08,
+        "near_dup": 0.08,
+        "near_miss": 0.06,
+        "boilerplate": 0.05,
+        "pii": 0.08,
+        "gibberish": 0.05,
+        "short": 0.04,
+        "repetitive": 0.04,
+        "broken": 0.03,
+    }
     cats = list(weights)
     for i in range(docs):
         cat = rng.choices(cats, weights=[weights[c] for c in cats])[0]
@@ -165,8 +297,13 @@ def synth(out_dir: str | Path, *, docs: int = 2000, files: int = 4, seed: int = 
             body = prose(rng, rng.randint(8, 14))
             originals.append(body)
             original_row.append(len(rows))
-            rows.append((cat, {"text": GUTENBERG_HEAD.format(title=title) + body + GUTENBERG_TAIL.format(title=title),
-                               "id": i}, "keep"))
+            rows.append(
+                (
+                    cat,
+                    {"text": GUTENBERG_HEAD.format(title=title) + body + GUTENBERG_TAIL.format(title=title), "id": i},
+                    "keep",
+                )
+            )
         elif cat == "pii":
             sents = prose(rng, rng.randint(8, 14)).split(". ")
             for _ in range(rng.randint(1, 3)):
@@ -176,11 +313,13 @@ def synth(out_dir: str | Path, *, docs: int = 2000, files: int = 4, seed: int = 
             original_row.append(len(rows))
             rows.append((cat, {"text": text, "id": i}, "keep"))
         elif cat == "gibberish":
-            text = " ".join("".join(rng.choice("qwrtzpsdfghjklxcvbnm") for _ in range(rng.randint(4, 11)))
-                            for _ in range(rng.randint(40, 120)))
+            text = " ".join(
+                "".join(rng.choice("qwrtzpsdfghjklxcvbnm") for _ in range(rng.randint(4, 11)))
+                for _ in range(rng.randint(40, 120))
+            )
             rows.append((cat, {"text": text, "id": i}, "drop"))
         elif cat == "short":
-            rows.append((cat, {"text": " ".join(_sentence(rng).split()[:rng.randint(3, 9)]), "id": i}, "drop"))
+            rows.append((cat, {"text": " ".join(_sentence(rng).split()[: rng.randint(3, 9)]), "id": i}, "drop"))
         elif cat == "repetitive":
             s = _sentence(rng)
             rows.append((cat, {"text": " ".join([s] * rng.randint(15, 30)), "id": i}, "drop"))
@@ -192,9 +331,17 @@ def synth(out_dir: str | Path, *, docs: int = 2000, files: int = 4, seed: int = 
     for i, (cat, rec, expected, *dup) in enumerate(rows):
         f = i % files
         shards[f].append((cat, rec))
-        truth.append({"file": f"raw-{f:03d}.jsonl", "line": len(shards[f]), "category": cat, "expected": expected,
-                      "dup_of_row": original_row[dup[0]] if dup else None, "near_miss": cat == "near_miss",
-                      "jaccard": round(dup[1], 4) if dup else None})
+        truth.append(
+            {
+                "file": f"raw-{f:03d}.jsonl",
+                "line": len(shards[f]),
+                "category": cat,
+                "expected": expected,
+                "dup_of_row": original_row[dup[0]] if dup else None,
+                "near_miss": cat == "near_miss",
+                "jaccard": round(dup[1], 4) if dup else None,
+            }
+        )
     for f, shard in enumerate(shards):
         with open(out / f"raw-{f:03d}.jsonl", "wb") as fh:
             for cat, rec in shard:

@@ -66,9 +66,16 @@ def _sample(groups: list[tb.RowGroups], sample_bytes: int | None, seed: int, tak
             yield text
 
 
-def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size: int = 2048,
-                    min_frequency: int = 2, sample_bytes: int | None = None, seed: int = 0,
-                    extra_texts: list[str] | None = None) -> dict:
+def train_tokenizer(
+    dataset_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 2048,
+    min_frequency: int = 2,
+    sample_bytes: int | None = None,
+    seed: int = 0,
+    extra_texts: list[str] | None = None,
+) -> dict:
     """Train and save a tokenizer that `PreTrainedTokenizerFast.from_pretrained(out_dir)` loads.
 
     `sample_bytes`: train on at most this many bytes of text, whole row groups drawn in a seeded
@@ -78,8 +85,10 @@ def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size:
 
     problems = []
     if vocab_size < 300:
-        problems.append(f"vocab_size must be ≥ 300 (got {vocab_size}): byte-level BPE needs 256 byte tokens "
-                        "plus the special tokens and some merges")
+        problems.append(
+            f"vocab_size must be ≥ 300 (got {vocab_size}): byte-level BPE needs 256 byte tokens "
+            "plus the special tokens and some merges"
+        )
     if sample_bytes is not None and sample_bytes < 1:
         problems.append(f"sample_bytes must be ≥ 1 or None for the whole dataset (got {sample_bytes})")
     if problems:
@@ -89,8 +98,13 @@ def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     taken: dict[str, int] = {}  # filled by _sample as the trainer reads
 
     def corpus():
@@ -99,15 +113,26 @@ def train_tokenizer(dataset_dir: str | Path, out_dir: str | Path, *, vocab_size:
 
     tok.train_from_iterator(corpus(), trainer=trainer)
     if not taken["documents"]:
-        raise DataError(f"{dataset_dir}: no text to train a tokenizer on"
-                        + (f" within sample_bytes={sample_bytes}; raise it" if sample_bytes else ""))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=EOS,
-                                   unk_token=None, additional_special_tokens=SPECIAL_TOKENS[2:])
+        raise DataError(
+            f"{dataset_dir}: no text to train a tokenizer on"
+            + (f" within sample_bytes={sample_bytes}; raise it" if sample_bytes else "")
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=EOS,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
-    return {"vocab_size": len(fast), "special_tokens": SPECIAL_TOKENS,
-            "sample": {**taken, "of_row_groups": len(groups)}}
+    return {
+        "vocab_size": len(fast),
+        "special_tokens": SPECIAL_TOKENS,
+        "sample": {**taken, "of_row_groups": len(groups)},
+    }
 
 
 def _units(groups: list[tb.RowGroups], task_bytes: int) -> list[tb.RowGroups]:
@@ -136,9 +161,17 @@ def _run(calls: list[tuple]):
         yield index[done[0]], ray.get(done[0])
 
 
-def tokenize(dataset_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *, block_size: int = 128,
-             shard_blocks: int = 4096, eval_fraction: float = 0.05, seed: int = 0,
-             task_bytes: int = TASK_BYTES) -> dict:
+def tokenize(
+    dataset_dir: str | Path,
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    block_size: int = 128,
+    shard_blocks: int = 4096,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+    task_bytes: int = TASK_BYTES,
+) -> dict:
     """Pack EOS-separated documents into `block_size` blocks; write `shard-*.parquet` (block_id,
     input_ids) for training and `eval-*.parquet` for a held-out split, plus a manifest.
 
@@ -171,16 +204,19 @@ def tokenize(dataset_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | 
 
     # round 1: each task tokenizes its row groups into scratch/unit-<i>.i32; the driver keeps counts
     counts, docs = np.zeros(len(units), dtype=np.int64), 0
-    for i, (n_tokens, n_docs, worker) in _run([(tb.tokenize_unit, (i, u, tokenizer_dir, eos, str(scratch)))
-                                               for i, u in enumerate(units)]):
+    for i, (n_tokens, n_docs, worker) in _run(
+        [(tb.tokenize_unit, (i, u, tokenizer_dir, eos, str(scratch))) for i, u in enumerate(units)]
+    ):
         counts[i], docs = n_tokens, docs + n_docs
         workers.add(worker)
     streams = tb.Streams(str(scratch), np.concatenate([[0], np.cumsum(counts)]))
     n_blocks = int(streams.total // block_size)  # the tail shorter than a block is dropped
     if n_blocks < 2:
         shutil.rmtree(scratch)
-        raise DataError(f"{dataset_dir}: only {streams.total} tokens, fewer than two blocks of {block_size}; "
-                        "use more data or a smaller block_size")
+        raise DataError(
+            f"{dataset_dir}: only {streams.total} tokens, fewer than two blocks of {block_size}; "
+            "use more data or a smaller block_size"
+        )
 
     # round 2: the held-out block ids (a seeded permutation's first eval_fraction), saved sorted
     n_eval = max(1, int(round(n_blocks * eval_fraction)))
@@ -208,11 +244,23 @@ def tokenize(dataset_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | 
 
     tok_digest, _ = digest_dir(tokenizer_dir)
     p = unigram[unigram > 0] / unigram.sum()
-    manifest = {"kind": "token_shards", "block_size": block_size, "num_blocks": int(n_train),
-                "num_eval_blocks": int(n_eval), "num_tokens": int(n_train * block_size), "documents": docs,
-                "vocab_size": vocab, "eos_id": eos, "tokenizer_digest": tok_digest, "files": files,
-                "unigram_entropy_nats": float(-(p * np.log(p)).sum()), "content_sha256": digest}
+    manifest = {
+        "kind": "token_shards",
+        "block_size": block_size,
+        "num_blocks": int(n_train),
+        "num_eval_blocks": int(n_eval),
+        "num_tokens": int(n_train * block_size),
+        "documents": docs,
+        "vocab_size": vocab,
+        "eos_id": eos,
+        "tokenizer_digest": tok_digest,
+        "files": files,
+        "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
+        "content_sha256": digest,
+    }
     typed = TokenShardsManifest.from_dict(manifest)  # the one format (raypai.token_shards), checked as written
     typed.write(out)
-    return {**typed.to_dict(), "work": {"tokenize_tasks": len(units), "write_tasks": len(files),
-                                        "processes": len(workers)}}
+    return {
+        **typed.to_dict(),
+        "work": {"tokenize_tasks": len(units), "write_tasks": len(files), "processes": len(workers)},
+    }

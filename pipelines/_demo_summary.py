@@ -28,9 +28,14 @@ def print_summary(settings, result, token: str | None = None) -> None:
     """Endpoint, how to query it (with `token` when given), where to look. Writes nothing."""
     dep = result.result if isinstance(result.result, dict) else {}
     if not dep.get("deployed", True):
-        console.print(Panel(f"[bold]not deployed[/]: {dep.get('reason')}\n(registered as {dep.get('model')} version "
-                            f"{dep.get('version')}; re-run with --param require_improvement=false to deploy anyway)",
-                            title="tinychat", expand=False))
+        console.print(
+            Panel(
+                f"[bold]not deployed[/]: {dep.get('reason')}\n(registered as {dep.get('model')} version "
+                f"{dep.get('version')}; re-run with --param require_improvement=false to deploy anyway)",
+                title="tinychat",
+                expand=False,
+            )
+        )
         return
     name = dep.get("deployment", "tinychat")
     endpoint = dep.get("endpoint", "http://127.0.0.1:8000/v1")
@@ -39,8 +44,11 @@ def print_summary(settings, result, token: str | None = None) -> None:
     metrics = ev.value if ev is not None and isinstance(ev.value, dict) else {}
     base = result.steps.get("pretrain")
     base_ppl = (base.output().metadata or {}).get("eval_ppl") if base is not None and base.outputs else None
-    vocab = (result.steps["tokenize"].output().metadata or {}).get("vocab_size") if "tokenize" in result.steps and \
-        result.steps["tokenize"].outputs else None
+    vocab = (
+        (result.steps["tokenize"].output().metadata or {}).get("vocab_size")
+        if "tokenize" in result.steps and result.steps["tokenize"].outputs
+        else None
+    )
     lines = [
         f"[bold]deployed[/] {name} (model version {dep.get('version')}) at {endpoint}",
         f"held-out exact match (share of 20 unseen sums answered right, greedy): SFT {_f(metrics.get('baseline'))} → "
@@ -50,7 +58,7 @@ def print_summary(settings, result, token: str | None = None) -> None:
         "",
         "[bold]try it[/] (token shown once):",
         f"  curl {endpoint}/chat/completions -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"3+4=\"}}], \"max_tokens\": 4}}' -i",
+        f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "3+4="}}], "max_tokens": 4}}\' -i',
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{endpoint}', api_key='{token}'); "
         f"print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', 'content': '3+4='}}], max_tokens=4))\"",
         "",

@@ -23,31 +23,62 @@ EXAMPLE_REWARD = "raypai.alignment.tasks.arithmetic:exact_match_reward"
 
 
 @pipeline(name="finetune")
-def finetune(model_dir: str, sft_data: str, eval_prompts: str, pref_data: str = "", prompt_data: str = "",
-             algorithm: str = "dpo", rewards: list | None = None, name: str = "finetune",
-             sft_config: dict | None = None, align_config: dict | None = None, metric: str = "held_out_reward",
-             max_new_tokens: int = 16, require_improvement: bool = True):
+def finetune(
+    model_dir: str,
+    sft_data: str,
+    eval_prompts: str,
+    pref_data: str = "",
+    prompt_data: str = "",
+    algorithm: str = "dpo",
+    rewards: list | None = None,
+    name: str = "finetune",
+    sft_config: dict | None = None,
+    align_config: dict | None = None,
+    metric: str = "held_out_reward",
+    max_new_tokens: int = 16,
+    require_improvement: bool = True,
+):
     if algorithm not in ("dpo", "grpo"):
-        raise ConfigError([f"algorithm {algorithm!r}: finetune runs 'dpo' (needs pref_data) or 'grpo' (needs "
-                           "prompt_data and rewards)"], what="finetune parameters")
+        raise ConfigError(
+            [
+                f"algorithm {algorithm!r}: finetune runs 'dpo' (needs pref_data) or 'grpo' (needs "
+                "prompt_data and rewards)"
+            ],
+            what="finetune parameters",
+        )
     if algorithm == "dpo" and not pref_data:
         raise ConfigError(["algorithm 'dpo' needs pref_data=<preference file>"], what="finetune parameters")
     if algorithm == "grpo" and not (prompt_data and rewards):
-        raise ConfigError(["algorithm 'grpo' needs prompt_data=<prompt file> and rewards=['pkg.mod:fn']"],
-                          what="finetune parameters")
+        raise ConfigError(
+            ["algorithm 'grpo' needs prompt_data=<prompt file> and rewards=['pkg.mod:fn']"], what="finetune parameters"
+        )
     if metric in ("held_out_reward",) and not rewards:
-        raise ConfigError(["metric 'held_out_reward' needs rewards=['pkg.mod:fn']; or pick metric='response_nll' "
-                           "with eval_prompts holding SFT rows"], what="finetune parameters")
+        raise ConfigError(
+            [
+                "metric 'held_out_reward' needs rewards=['pkg.mod:fn']; or pick metric='response_nll' "
+                "with eval_prompts holding SFT rows"
+            ],
+            what="finetune parameters",
+        )
     base = import_model(path=model_dir, name=f"{name}-base", register_as=f"{name}-base")
     chats = alignment_data.named("sft_data")(sft_data, kind="sft", name="sft_data")
     sft_model = sft(base, chats, config=sft_config or {})
     if algorithm == "dpo":
-        aligned = dpo(sft_model, alignment_data.named("preference_data")(pref_data, kind="preference", name="preference_data"),
-                      config=align_config or {})
+        aligned = dpo(
+            sft_model,
+            alignment_data.named("preference_data")(pref_data, kind="preference", name="preference_data"),
+            config=align_config or {},
+        )
     else:
-        aligned = grpo(sft_model, alignment_data.named("prompt_data")(prompt_data, kind="prompt", name="prompt_data"), rewards=rewards,
-                       config=align_config or {})
-    held = alignment_data.named("eval_data")(eval_prompts, kind="sft" if metric == "response_nll" else "prompt", name="eval_data")
+        aligned = grpo(
+            sft_model,
+            alignment_data.named("prompt_data")(prompt_data, kind="prompt", name="prompt_data"),
+            rewards=rewards,
+            config=align_config or {},
+        )
+    held = alignment_data.named("eval_data")(
+        eval_prompts, kind="sft" if metric == "response_nll" else "prompt", name="eval_data"
+    )
     report = evaluate(aligned, sft_model, held, metric=metric, rewards=rewards, max_new_tokens=max_new_tokens)
     # deployed only when the evaluation says the aligned model beats the SFT one (unless told otherwise)
     return deploy(register(aligned, name=name, evaluation=report), name=name, require_promoted=require_improvement)
@@ -65,14 +96,18 @@ def example_inputs(folder) -> dict:
     train, held = ar.split()
     system = {"role": "system", "content": "Answer with the number only."}
     chats = [{"messages": [system, *r["messages"]]} for r in ar.sft_rows(train)]
-    chats += [{"messages": [system, *a["messages"], *b["messages"]]} for a, b in
-              zip(ar.sft_rows(train[:20]), ar.sft_rows(train[20:40]))]  # multi-turn: two sums in one conversation
-    return {"model_dir": build_tiny_model(folder / "model", family="qwen2", hidden=64),
-            "sft_data": ar.write_jsonl(chats, folder / "chats.jsonl"),
-            "pref_data": ar.write_jsonl(ar.preference_rows(train, 0, 1), folder / "prefs.jsonl"),
-            "prompt_data": ar.write_jsonl(ar.prompt_rows(train), folder / "prompts.jsonl"),
-            "eval_prompts": ar.write_jsonl(ar.prompt_rows(held), folder / "held_out_prompts.jsonl"),
-            "rewards": [EXAMPLE_REWARD]}
+    chats += [
+        {"messages": [system, *a["messages"], *b["messages"]]}
+        for a, b in zip(ar.sft_rows(train[:20]), ar.sft_rows(train[20:40]))
+    ]  # multi-turn: two sums in one conversation
+    return {
+        "model_dir": build_tiny_model(folder / "model", family="qwen2", hidden=64),
+        "sft_data": ar.write_jsonl(chats, folder / "chats.jsonl"),
+        "pref_data": ar.write_jsonl(ar.preference_rows(train, 0, 1), folder / "prefs.jsonl"),
+        "prompt_data": ar.write_jsonl(ar.prompt_rows(train), folder / "prompts.jsonl"),
+        "eval_prompts": ar.write_jsonl(ar.prompt_rows(held), folder / "held_out_prompts.jsonl"),
+        "rewards": [EXAMPLE_REWARD],
+    }
 
 
 def main() -> None:
@@ -85,9 +120,12 @@ def main() -> None:
     from raypai.settings import Settings
 
     settings = Settings.load()
-    params = {**example_inputs(settings.home / "examples" / "finetune"),
-              "sft_config": {"steps": 300, "lr": 3e-3}, "align_config": {"steps": 30},
-              **parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")])}
+    params = {
+        **example_inputs(settings.home / "examples" / "finetune"),
+        "sft_config": {"steps": 300, "lr": 3e-3},
+        "align_config": {"steps": 30},
+        **parse_params([a for a in sys.argv[1:] if a not in ("--param", "-p")]),
+    }
     finish_run(Runner(settings, progress=Progress()).run(finetune.build(**params), source_file=__file__))
 
 

@@ -30,8 +30,12 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
         app.state.reconciled = await run_in_threadpool(ctl.reconcile) if reconcile else []
         yield
 
-    app = FastAPI(title="raypai deploy API", version="1", lifespan=lifespan,
-                  description="Deploy registered models on Ray Serve; canary, promote, rollback.")
+    app = FastAPI(
+        title="raypai deploy API",
+        version="1",
+        lifespan=lifespan,
+        description="Deploy registered models on Ray Serve; canary, promote, rollback.",
+    )
     install(app)
 
     check = auth.TokenCheck(ctl.store, ttl_s=0.0)  # control plane: a revoked token stops at once
@@ -55,9 +59,19 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
 
     @app.post("/api/v1/deployments", status_code=201, dependencies=[Depends(require_deploy)])
     async def create(body: DeploymentCreate):
-        return await call(ctl.create, body.name, body.model, body.version, body.alias, replicas=body.replicas,
-                          autoscaling=_dump(body.autoscaling), cpus=body.cpus, gpus=body.gpus,
-                          max_batch_size=body.max_batch_size, batch_wait_timeout_s=body.batch_wait_timeout_s)
+        return await call(
+            ctl.create,
+            body.name,
+            body.model,
+            body.version,
+            body.alias,
+            replicas=body.replicas,
+            autoscaling=_dump(body.autoscaling),
+            cpus=body.cpus,
+            gpus=body.gpus,
+            max_batch_size=body.max_batch_size,
+            batch_wait_timeout_s=body.batch_wait_timeout_s,
+        )
 
     @app.get("/api/v1/deployments", dependencies=[Depends(require_deploy)])
     async def list_deployments():

@@ -39,8 +39,12 @@ class TokenCheck:
     def _token(request: Request, scope: str) -> str:
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer ") or not header[7:].strip():
-            raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>' "
-                                f"(create one with `raypai token create NAME --scope {scope}`)", code="missing_token")
+            raise APIError(
+                401,
+                "missing bearer token: send 'Authorization: Bearer <token>' "
+                f"(create one with `raypai token create NAME --scope {scope}`)",
+                code="missing_token",
+            )
         return header[7:].strip()
 
     @staticmethod
@@ -48,8 +52,9 @@ class TokenCheck:
         if rec is None or rec.revoked:
             raise APIError(401, "invalid or revoked token", code="invalid_token")
         if scope not in rec.scopes:
-            raise APIError(403, f"token {rec.name!r} lacks the {scope!r} scope (it has {rec.scopes})",
-                           code="wrong_scope")
+            raise APIError(
+                403, f"token {rec.name!r} lacks the {scope!r} scope (it has {rec.scopes})", code="wrong_scope"
+            )
         return rec.name
 
     def _cached(self, token: str) -> tuple[object] | None:

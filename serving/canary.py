@@ -48,10 +48,19 @@ class CanaryPolicy:
         if problems:
             raise ConfigError(problems, what="canary_policy")
         policy = cls(**value)
-        if policy.window_s <= 0 or policy.min_requests < 1 or policy.max_latency_ratio < 1 \
-                or not 0 <= policy.max_error_rate_increase <= 1:
-            raise ConfigError([f"{asdict(policy)}: need window_s > 0, min_requests >= 1, max_latency_ratio >= 1 "
-                               "and 0 <= max_error_rate_increase <= 1"], what="canary_policy")
+        if (
+            policy.window_s <= 0
+            or policy.min_requests < 1
+            or policy.max_latency_ratio < 1
+            or not 0 <= policy.max_error_rate_increase <= 1
+        ):
+            raise ConfigError(
+                [
+                    f"{asdict(policy)}: need window_s > 0, min_requests >= 1, max_latency_ratio >= 1 "
+                    "and 0 <= max_error_rate_increase <= 1"
+                ],
+                what="canary_policy",
+            )
         return policy
 
     def to_dict(self) -> dict:
@@ -79,25 +88,41 @@ class Windows:
         errors = sum(1 for ok, _ in recent if not ok)
         latencies = sorted(s for _, s in recent)
         p95 = latencies[(95 * n + 99) // 100 - 1] if n else None  # nearest rank: ceil(0.95 n), in integers
-        return {"version": version, "requests": n, "errors": errors, "error_rate": errors / n if n else 0.0,
-                "p95_ms": round(p95 * 1e3, 2) if p95 is not None else None}
+        return {
+            "version": version,
+            "requests": n,
+            "errors": errors,
+            "error_rate": errors / n if n else 0.0,
+            "p95_ms": round(p95 * 1e3, 2) if p95 is not None else None,
+        }
 
 
 def judge(policy: CanaryPolicy, stable: dict, canary: dict) -> tuple[str, str]:
     """(decision, reason) for `canary` against `stable` (two `Windows.summary` results)."""
     window = f"in the last {policy.window_s:.0f} s"
     if canary["requests"] < policy.min_requests:
-        return "insufficient", (f"the canary answered {canary['requests']} of the {policy.min_requests} requests "
-                                f"a verdict needs {window}")
+        return "insufficient", (
+            f"the canary answered {canary['requests']} of the {policy.min_requests} requests a verdict needs {window}"
+        )
     limit = stable["error_rate"] + policy.max_error_rate_increase
     if canary["error_rate"] > limit:
-        return "worse", (f"canary error rate {canary['error_rate']:.1%} ({canary['errors']}/{canary['requests']}) "
-                         f"exceeds the stable version's {stable['error_rate']:.1%} by more than "
-                         f"{policy.max_error_rate_increase:.1%} {window}")
-    if stable["requests"] >= policy.min_requests and stable["p95_ms"] and canary["p95_ms"] is not None \
-            and canary["p95_ms"] > policy.max_latency_ratio * stable["p95_ms"]:
-        return "worse", (f"canary p95 latency {canary['p95_ms']:.0f} ms is over {policy.max_latency_ratio:g}x the "
-                         f"stable version's {stable['p95_ms']:.0f} ms {window}")
-    return "healthy", (f"canary error rate {canary['error_rate']:.1%} vs stable {stable['error_rate']:.1%}, "
-                       f"p95 {canary['p95_ms']} ms vs {stable['p95_ms']} ms over {canary['requests']} canary "
-                       f"requests {window}")
+        return "worse", (
+            f"canary error rate {canary['error_rate']:.1%} ({canary['errors']}/{canary['requests']}) "
+            f"exceeds the stable version's {stable['error_rate']:.1%} by more than "
+            f"{policy.max_error_rate_increase:.1%} {window}"
+        )
+    if (
+        stable["requests"] >= policy.min_requests
+        and stable["p95_ms"]
+        and canary["p95_ms"] is not None
+        and canary["p95_ms"] > policy.max_latency_ratio * stable["p95_ms"]
+    ):
+        return "worse", (
+            f"canary p95 latency {canary['p95_ms']:.0f} ms is over {policy.max_latency_ratio:g}x the "
+            f"stable version's {stable['p95_ms']:.0f} ms {window}"
+        )
+    return "healthy", (
+        f"canary error rate {canary['error_rate']:.1%} vs stable {stable['error_rate']:.1%}, "
+        f"p95 {canary['p95_ms']} ms vs {stable['p95_ms']} ms over {canary['requests']} canary "
+        f"requests {window}"
+    )

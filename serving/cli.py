@@ -37,8 +37,7 @@ def _api(method: str, path: str, body: dict | None = None):
     url = os.environ.get("RAYPAI_API_URL") or endpoint_url(_settings(), "api", DEFAULT_PORTS["api"])
     token = os.environ.get("RAYPAI_TOKEN", "")
     try:
-        r = httpx.request(method, f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"},
-                          timeout=600)
+        r = httpx.request(method, f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=600)
     except httpx.ConnectError:
         typer.echo(f"deploy API not reachable at {url}: start it with `raypai server` or set RAYPAI_API_URL", err=True)
         raise typer.Exit(exits.FAILED) from None
@@ -84,18 +83,32 @@ def token_revoke(name: str):
 
 
 @deploy_app.command("create")
-def create(name: str, model: str = typer.Option(..., help="registered model name (MLflow registry)"),
-           version: Optional[int] = typer.Option(None, help="registry version (default: the alias)"),
-           alias: Optional[str] = typer.Option(None, help="registry alias (default: champion)"),
-           replicas: int = 1, cpus: float = 1.0, gpus: float = 0.0,
-           min_replicas: Optional[int] = typer.Option(None, help="autoscale from this many replicas…"),
-           max_replicas: Optional[int] = typer.Option(None, help="…up to this many"),
-           max_batch_size: int = 16):
-    body = {"name": name, "model": model, "version": version, "alias": alias, "replicas": replicas, "cpus": cpus,
-            "gpus": gpus, "max_batch_size": max_batch_size}
+def create(
+    name: str,
+    model: str = typer.Option(..., help="registered model name (MLflow registry)"),
+    version: Optional[int] = typer.Option(None, help="registry version (default: the alias)"),
+    alias: Optional[str] = typer.Option(None, help="registry alias (default: champion)"),
+    replicas: int = 1,
+    cpus: float = 1.0,
+    gpus: float = 0.0,
+    min_replicas: Optional[int] = typer.Option(None, help="autoscale from this many replicas…"),
+    max_replicas: Optional[int] = typer.Option(None, help="…up to this many"),
+    max_batch_size: int = 16,
+):
+    body = {
+        "name": name,
+        "model": model,
+        "version": version,
+        "alias": alias,
+        "replicas": replicas,
+        "cpus": cpus,
+        "gpus": gpus,
+        "max_batch_size": max_batch_size,
+    }
     if min_replicas is not None or max_replicas is not None:
-        body["autoscaling"] = {k: v for k, v in {"min_replicas": min_replicas, "max_replicas": max_replicas}.items()
-                               if v is not None}
+        body["autoscaling"] = {
+            k: v for k, v in {"min_replicas": min_replicas, "max_replicas": max_replicas}.items() if v is not None
+        }
     _api("POST", "/api/v1/deployments", body)
 
 
@@ -110,23 +123,37 @@ def get(name: str):
 
 
 @deploy_app.command("update")
-def update(name: str, canary_version: Optional[int] = typer.Option(None, help="start a canary of this version"),
-           canary_alias: Optional[str] = typer.Option(None, help="…or of the version behind this alias"),
-           canary_percent: Optional[int] = typer.Option(None, help="share of traffic for the canary, 0-100"),
-           promote: bool = typer.Option(False, help="make the canary the stable version (needs a healthy "
-                                                    "measured verdict on it, see `deploy get`)"),
-           force: bool = typer.Option(False, help="promote without a healthy measured verdict"),
-           canary_policy: Optional[str] = typer.Option(None, help='JSON, e.g. {"min_requests": 50, "window_s": 600}'),
-           replicas: Optional[int] = None):
+def update(
+    name: str,
+    canary_version: Optional[int] = typer.Option(None, help="start a canary of this version"),
+    canary_alias: Optional[str] = typer.Option(None, help="…or of the version behind this alias"),
+    canary_percent: Optional[int] = typer.Option(None, help="share of traffic for the canary, 0-100"),
+    promote: bool = typer.Option(
+        False, help="make the canary the stable version (needs a healthy measured verdict on it, see `deploy get`)"
+    ),
+    force: bool = typer.Option(False, help="promote without a healthy measured verdict"),
+    canary_policy: Optional[str] = typer.Option(None, help='JSON, e.g. {"min_requests": 50, "window_s": 600}'),
+    replicas: Optional[int] = None,
+):
     policy = None
     if canary_policy is not None:
         try:
             policy = json.loads(canary_policy)
         except json.JSONDecodeError as exc:
             raise typer.BadParameter(f"--canary-policy {canary_policy!r} is not JSON ({exc})") from None
-    body = {k: v for k, v in {"canary_version": canary_version, "canary_alias": canary_alias,
-                              "canary_percent": canary_percent, "promote": promote, "force": force,
-                              "canary_policy": policy, "replicas": replicas}.items() if v not in (None, False)}
+    body = {
+        k: v
+        for k, v in {
+            "canary_version": canary_version,
+            "canary_alias": canary_alias,
+            "canary_percent": canary_percent,
+            "promote": promote,
+            "force": force,
+            "canary_policy": policy,
+            "replicas": replicas,
+        }.items()
+        if v not in (None, False)
+    }
     _api("PATCH", f"/api/v1/deployments/{name}", body)
 
 
@@ -140,8 +167,10 @@ def delete(name: str):
     _api("DELETE", f"/api/v1/deployments/{name}")
 
 
-def server_command(port: Optional[int] = typer.Option(None, help="port of the deploy API [8080, or a free one]"),
-                   host: str = "127.0.0.1"):
+def server_command(
+    port: Optional[int] = typer.Option(None, help="port of the deploy API [8080, or a free one]"),
+    host: str = "127.0.0.1",
+):
     """Run the deploy API (reconciles stored deployments with Ray Serve on start)."""
     import uvicorn
 
@@ -155,6 +184,8 @@ def server_command(port: Optional[int] = typer.Option(None, help="port of the de
     info = ensure_ray(s)  # raypai's recorded Ray head, RAY_ADDRESS, or a Ray inside this server
     s = s.replace(serve_port=info.serve_port)
     record_endpoint(s, "api", f"http://{host}:{port}")
-    typer.echo(f"deploy API on http://{host}:{port} (docs /docs); OpenAI endpoint http://127.0.0.1:{info.serve_port}/v1 "
-               f"on {info.describe()}")
+    typer.echo(
+        f"deploy API on http://{host}:{port} (docs /docs); OpenAI endpoint http://127.0.0.1:{info.serve_port}/v1 "
+        f"on {info.describe()}"
+    )
     uvicorn.run(create_app(s), host=host, port=port, log_level="info")

@@ -54,9 +54,11 @@ def _check_port_free(port: int) -> None:
     head = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
     if head != ray.get_runtime_context().get_node_id() or port_is_free(port):
         return
-    raise DeployError(f"Serve port {port} is already in use on this machine (another Ray's Serve, or another "
-                      "server; Serve would share it and split requests with it); set RAYPAI_SERVE_PORT (or "
-                      "serve_port in the raypai config) to a free port, or stop whatever listens on it")
+    raise DeployError(
+        f"Serve port {port} is already in use on this machine (another Ray's Serve, or another "
+        "server; Serve would share it and split requests with it); set RAYPAI_SERVE_PORT (or "
+        "serve_port in the raypai config) to a free port, or stop whatever listens on it"
+    )
 
 
 class Controller:
@@ -82,9 +84,13 @@ class Controller:
             opts["autoscaling_config"] = spec.autoscaling
         else:
             opts["num_replicas"] = spec.replicas
-        server = ModelServer.options(**opts).bind(spec.model, version, self.settings.mlflow_tracking_uri,
-                                                  max_batch_size=spec.batching.max_batch_size,
-                                                  batch_wait_timeout_s=spec.batching.batch_wait_timeout_s)
+        server = ModelServer.options(**opts).bind(
+            spec.model,
+            version,
+            self.settings.mlflow_tracking_uri,
+            max_batch_size=spec.batching.max_batch_size,
+            batch_wait_timeout_s=spec.batching.batch_wait_timeout_s,
+        )
         serve.run(server, name=app_name(name, version), route_prefix=None, blocking=False)
         _wait_running(app_name(name, version))
 
@@ -93,21 +99,43 @@ class Controller:
         try:
             v, _ = self.tracker.resolve_model(model, ref)
         except NotFoundError as exc:
-            raise DeployError(f"refused: {exc}. Only models registered in the MLflow registry can be deployed") from None
+            raise DeployError(
+                f"refused: {exc}. Only models registered in the MLflow registry can be deployed"
+            ) from None
         return v
 
     # ---- desired state --------------------------------------------------------------------------
 
-    def create(self, name: str, model: str, version: int | None = None, alias: str | None = None, *, replicas: int = 1,
-               autoscaling: dict | None = None, cpus: float = 1.0, gpus: float = 0.0,
-               max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S) -> dict:
+    def create(
+        self,
+        name: str,
+        model: str,
+        version: int | None = None,
+        alias: str | None = None,
+        *,
+        replicas: int = 1,
+        autoscaling: dict | None = None,
+        cpus: float = 1.0,
+        gpus: float = 0.0,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S,
+    ) -> dict:
         if self.store.get_deployment(name) is not None:
-            raise DeploymentConflict(f"deployment {name!r} already exists; change its version or scale with "
-                                     f"`raypai deploy update {name} ...` (PATCH /api/v1/deployments/{name}), "
-                                     "or delete it first")
+            raise DeploymentConflict(
+                f"deployment {name!r} already exists; change its version or scale with "
+                f"`raypai deploy update {name} ...` (PATCH /api/v1/deployments/{name}), "
+                "or delete it first"
+            )
         v = self._resolve(model, version, alias)
-        spec = DeploymentSpec(model=model, version=v, replicas=replicas, autoscaling=autoscaling, cpus=cpus, gpus=gpus,
-                              batching=Batching(max_batch_size, batch_wait_timeout_s))
+        spec = DeploymentSpec(
+            model=model,
+            version=v,
+            replicas=replicas,
+            autoscaling=autoscaling,
+            cpus=cpus,
+            gpus=gpus,
+            batching=Batching(max_batch_size, batch_wait_timeout_s),
+        )
         self.start()
         self.store.save_deployment(name, spec, "deploying")
         try:
@@ -117,10 +145,19 @@ class Controller:
             raise
         return self._record(name, spec, "running")
 
-    def update(self, name: str, *, canary_version: int | None = None, canary_alias: str | None = None,
-               canary_percent: int | None = None, promote: bool = False, force: bool = False,
-               canary_policy: dict | None = None, replicas: int | None = None,
-               autoscaling: dict | None = None) -> dict:
+    def update(
+        self,
+        name: str,
+        *,
+        canary_version: int | None = None,
+        canary_alias: str | None = None,
+        canary_percent: int | None = None,
+        promote: bool = False,
+        force: bool = False,
+        canary_policy: dict | None = None,
+        replicas: int | None = None,
+        autoscaling: dict | None = None,
+    ) -> dict:
         """Start, resize, promote a canary; rescale. Promotion needs the router's latest verdict on the
         canary to be `healthy` (raypai.serving.canary) unless `force`; a refusal says why."""
         spec = self._get(name).spec
@@ -137,9 +174,14 @@ class Controller:
             self._run_version(name, spec, v)
             spec = spec.with_canary(v, 10 if canary_percent is None else canary_percent)
             # a new canary starts unjudged (an earlier verdict on the same version number is not about it)
-            self.store.record_canary_check(name, spec.version, v, "insufficient", "canary started: no traffic "
-                                           "measured yet", {"policy": CanaryPolicy.from_spec(
-                                               spec.canary_policy).to_dict()})
+            self.store.record_canary_check(
+                name,
+                spec.version,
+                v,
+                "insufficient",
+                "canary started: no traffic measured yet",
+                {"policy": CanaryPolicy.from_spec(spec.canary_policy).to_dict()},
+            )
         elif canary_percent is not None:
             if spec.canary_version is None:
                 raise DeployError(f"{name!r} has no canary; start one with canary_version")
@@ -157,7 +199,8 @@ class Controller:
                     why = check["reason"] if check else "no canary traffic has been measured yet"
                     raise DeploymentConflict(
                         f"promotion of v{spec.canary_version} refused: {why}. Send it traffic "
-                        "(canary_percent) until the verdict is healthy, or promote with force=true")
+                        "(canary_percent) until the verdict is healthy, or promote with force=true"
+                    )
             old = spec.version
             spec = spec.promoted()
             self._save(name, spec)  # route to the new stable version before the old one goes
@@ -180,8 +223,10 @@ class Controller:
             self._save(name, spec)
             serve.delete(app_name(name, current))
         else:
-            raise DeployError(f"{name!r} has neither a canary nor a previous version to roll back to; "
-                              "deploy another version with a canary (`raypai deploy update NAME --canary-version N`)")
+            raise DeployError(
+                f"{name!r} has neither a canary nor a previous version to roll back to; "
+                "deploy another version with a canary (`raypai deploy update NAME --canary-version N`)"
+            )
         return self._record(name, spec, "running")
 
     def delete(self, name: str) -> None:
@@ -228,7 +273,7 @@ class Controller:
         live = serve.status().applications if live is None else live
         wanted = {app_name(name, v) for v in spec.versions()}
         prefix = f"raypai-{name}-v"
-        gone = [a for a in live if a.startswith(prefix) and a[len(prefix):].isdigit() and a not in wanted]
+        gone = [a for a in live if a.startswith(prefix) and a[len(prefix) :].isdigit() and a not in wanted]
         for app in gone:
             serve.delete(app)
         return gone
@@ -237,8 +282,10 @@ class Controller:
         rec = self.store.get_deployment(name)
         if rec is None:
             known = ", ".join(d.name for d in self.store.list_deployments()) or "none yet"
-            raise NotFoundError(f"deployment {name!r} not found (known deployments: {known}); list them with "
-                                "`raypai deploy list`, create one with `raypai deploy create`")
+            raise NotFoundError(
+                f"deployment {name!r} not found (known deployments: {known}); list them with "
+                "`raypai deploy list`, create one with `raypai deploy create`"
+            )
         return rec
 
     def _save(self, name: str, spec: DeploymentSpec, state: str = "running"):
@@ -255,8 +302,14 @@ class Controller:
             live = {str(v): _status(apps.get(app_name(name, v))) for v in spec.versions()}
         except Exception as exc:  # noqa: BLE001 - Serve not reachable: report it, don't fail the read
             live = {"error": str(exc)}
-        return {"name": name, "state": state, "spec": spec.to_dict(), "live": live, "history_length": len(history),
-                "endpoint": f"http://127.0.0.1:{serve_port(self.settings)}/v1"}
+        return {
+            "name": name,
+            "state": state,
+            "spec": spec.to_dict(),
+            "live": live,
+            "history_length": len(history),
+            "endpoint": f"http://127.0.0.1:{serve_port(self.settings)}/v1",
+        }
 
 
 def _status(app) -> str:
@@ -277,15 +330,20 @@ def _wait_running(app: str, timeout_s: float = 180.0) -> None:
         if value == "RUNNING":
             return
         if value in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise DeployError(f"Serve application {app} failed: {getattr(status, 'message', '')[:500]}; "
-                              f"the replica's traceback is in the Ray dashboard (Serve tab) and in {_serve_logs()}")
+            raise DeployError(
+                f"Serve application {app} failed: {getattr(status, 'message', '')[:500]}; "
+                f"the replica's traceback is in the Ray dashboard (Serve tab) and in {_serve_logs()}"
+            )
         time.sleep(0.5)
     message = getattr(status, "message", "") if status is not None else ""
-    raise DeployError(f"Serve application {app} not running after {timeout_s:.0f}s (status {value}"
-                      + (f": {message[:300]}" if message else "") + "). A replica that waits for resources "
-                      "means the cluster lacks the CPUs/GPUs the deployment asks for (`ray status`; lower "
-                      f"cpus/gpus/replicas); a slow or failing model load shows in the replica logs under "
-                      f"{_serve_logs()} and the Ray dashboard's Serve tab")
+    raise DeployError(
+        f"Serve application {app} not running after {timeout_s:.0f}s (status {value}"
+        + (f": {message[:300]}" if message else "")
+        + "). A replica that waits for resources "
+        "means the cluster lacks the CPUs/GPUs the deployment asks for (`ray status`; lower "
+        f"cpus/gpus/replicas); a slow or failing model load shows in the replica logs under "
+        f"{_serve_logs()} and the Ray dashboard's Serve tab"
+    )
 
 
 def _serve_logs() -> str:

@@ -28,8 +28,9 @@ from transformers import DynamicCache
 from raypai.serving.generation import GenRequest, GenResult, cut_at_stop, left_pad, next_token, stream_safe_prefix
 
 
-def should_admit(waiting: int, free_slots: int, active: int, waited_steps: int, *, min_group: int = 4,
-                 max_wait_steps: int = 8) -> bool:
+def should_admit(
+    waiting: int, free_slots: int, active: int, waited_steps: int, *, min_group: int = 4, max_wait_steps: int = 8
+) -> bool:
     """Whether to prefill the waiting requests now. A prefill is a forward pass of its own, about as
     slow as a decode step on a small model, so admitting each arrival at once (closed-loop clients
     arrive one by one as others finish) would nearly double the passes per token. Admit a group:
@@ -101,11 +102,16 @@ class Engine:
         """One decoding step for every running sequence."""
         if not self.seqs:
             return []
-        self.mask = torch.cat([self.mask, torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.device)],
-                              dim=1)  # (B, T+1)
-        out = self.model(input_ids=self.last[:, None].to(self.device), attention_mask=self.mask,
-                         position_ids=self.pos[:, None],
-                         past_key_values=self.cache, use_cache=True)
+        self.mask = torch.cat(
+            [self.mask, torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.device)], dim=1
+        )  # (B, T+1)
+        out = self.model(
+            input_ids=self.last[:, None].to(self.device),
+            attention_mask=self.mask,
+            position_ids=self.pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.pos = self.pos + 1
         self.steps, self.tokens = self.steps + 1, self.tokens + len(self.seqs)
         return self._advance(out.logits[:, -1].float().cpu(), rows=range(len(self.seqs)))
@@ -138,7 +144,7 @@ class Engine:
             if reason or r.stream:
                 ready = text if reason else stream_safe_prefix(text, r.stop)  # hold back a possible stop start
                 if len(ready) > len(s.emitted):
-                    delta, s.emitted = ready[len(s.emitted):], ready
+                    delta, s.emitted = ready[len(s.emitted) :], ready
             result = GenResult(s.emitted, len(s.produced), len(r.prompt_ids), reason, self.steps) if reason else None
             if delta or result:
                 events.append(Event(s.key, delta, result))

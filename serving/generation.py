@@ -65,8 +65,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -94,11 +94,18 @@ def generate_batch(model, tok, reqs: list[GenRequest], stop_ids: set[int]) -> li
         ids, mask = ids.to(model.device), mask.to(model.device)
         greedy = is_greedy(temp)
         sampling = {} if greedy else {"temperature": temp, "top_p": top_p, "top_k": 0}
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(reqs[i].max_tokens for i in idx),
-                             do_sample=not greedy, eos_token_id=sorted(stop_ids), pad_token_id=tok.pad_token_id,
-                             use_cache=True, **sampling)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max(reqs[i].max_tokens for i in idx),
+            do_sample=not greedy,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=tok.pad_token_id,
+            use_cache=True,
+            **sampling,
+        )
         for row, i in enumerate(idx):
-            gen = out[row, ids.shape[1]:].tolist()[: reqs[i].max_tokens]  # (new tokens,) of this row
+            gen = out[row, ids.shape[1] :].tolist()[: reqs[i].max_tokens]  # (new tokens,) of this row
             results[i] = _finish(tok, reqs[i], gen, stop_ids | {tok.pad_token_id})
     return [results[i] for i in range(len(reqs))]
 

@@ -31,8 +31,15 @@ from raypai.serving.generation import GenRequest, GenResult
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, health_check_period_s=5, max_ongoing_requests=64)
 class ModelServer:
-    def __init__(self, model: str, version: int, tracking_uri: str, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S, threads: int = 1):
+    def __init__(
+        self,
+        model: str,
+        version: int,
+        tracking_uri: str,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S,
+        threads: int = 1,
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,8 +57,7 @@ class ModelServer:
         self.context_window = context_length(self.model.config)
         # stop tokens from the tokenizer, generation_config and the chat template's end-of-turn (raypai.chat)
         self.chat = ChatFormat.from_pretrained(path, tokenizer=self.tok)
-        self.engine = Engine(self.model, self.tok, set(self.chat.stop_ids),
-                             max_batch_size=max_batch_size)
+        self.engine = Engine(self.model, self.tok, set(self.chat.stop_ids), max_batch_size=max_batch_size)
         self.batch_wait_s = float(batch_wait_timeout_s)
         self.inbox: queue.Queue = queue.Queue()  # (key, GenRequest) waiting for the engine thread
         self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
@@ -60,22 +66,27 @@ class ModelServer:
         self.thread: threading.Thread | None = None
 
     def info(self) -> dict:
-        return {"model": self.model_name, "version": self.version, "context_window": self.context_window,
-                "has_chat_template": bool(self.tok.chat_template), "decode_steps": self.engine.steps,
-                "decode_tokens": self.engine.tokens}
+        return {
+            "model": self.model_name,
+            "version": self.version,
+            "context_window": self.context_window,
+            "has_chat_template": bool(self.tok.chat_template),
+            "decode_steps": self.engine.steps,
+            "decode_tokens": self.engine.tokens,
+        }
 
     def _prepare(self, req: GenRequest, prompt: str | None, messages: list[dict] | None) -> GenRequest:
         """Tokenize the prompt (or render the chat with the tokenizer's template) and check it fits."""
         if messages is not None and not self.chat.conversational:
-            raise NoChatTemplate(f"model {self.model_name}/{self.version} has no chat template; "
-                                 "use /v1/completions")
+            raise NoChatTemplate(f"model {self.model_name}/{self.version} has no chat template; use /v1/completions")
         # the same encoding as training (raypai.chat): template + assistant header, or the plain prompt
         # (with the tokenizer's BOS where it adds one; an empty prompt starts from the document boundary)
         ids = self.chat.prompt_ids(messages if messages is not None else (prompt or ""))
         if len(ids) + req.max_tokens > self.context_window:
             raise ContextLengthExceeded(
                 f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context window of "
-                f"{self.context_window} tokens; shorten the prompt or lower max_tokens")
+                f"{self.context_window} tokens; shorten the prompt or lower max_tokens"
+            )
         return dataclasses.replace(req, prompt_ids=ids)
 
     async def generate(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):

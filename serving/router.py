@@ -1,7 +1,6 @@
 """The OpenAI-compatible router: a FastAPI ingress on the Serve HTTP proxy. Routes by `model`
 (= deployment name) to the model-server application of its stable or canary version."""
 
-
 import asyncio
 import json
 import random
@@ -37,8 +36,11 @@ def pick_version(spec: DeploymentSpec, rng: random.Random) -> int:
 
 
 def usage(res: GenResult) -> dict:
-    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-            "total_tokens": res.prompt_tokens + res.completion_tokens}
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+    }
 
 
 async def _chain(first, rest):
@@ -50,8 +52,13 @@ async def _chain(first, rest):
 async def _sse(gen, rid: str, model: str, served: str, chat: bool):
     """OpenAI streaming: one `data: {chunk}` event per text delta, a last chunk with finish_reason and
     usage, then `data: [DONE]`."""
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": served}
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": served,
+    }
 
     def event(piece: dict, finish_reason=None, **extra) -> str:
         chunk = {**base, "choices": [{"index": 0, **piece, "finish_reason": finish_reason}], **extra}
@@ -100,18 +107,28 @@ class Router:
         spec = routes.get(name)
         if spec is None:
             known = ", ".join(sorted(routes)) or "none"
-            raise APIError(404, f"model {name!r} does not exist (deployed models: {known})", code="model_not_found",
-                           param="model")
+            raise APIError(
+                404, f"model {name!r} does not exist (deployed models: {known})", code="model_not_found", param="model"
+            )
         version = pick_version(spec, self.rng)
         return serve.get_app_handle(app_name(name, version)), f"{spec.model}/{version}", version
 
     @app.get("/v1/models")
     async def models(self, request: Request):
         await self.auth.check(request, "infer")
-        data = [{"id": n, "object": "model", "owned_by": "raypai", "created": 0,
-                 "raypai_model": s.model, "raypai_version": s.version,
-                 "raypai_canary_version": s.canary_version, "raypai_canary_percent": s.canary_percent}
-                for n, s in sorted((await self._routes()).items())]
+        data = [
+            {
+                "id": n,
+                "object": "model",
+                "owned_by": "raypai",
+                "created": 0,
+                "raypai_model": s.model,
+                "raypai_version": s.version,
+                "raypai_canary_version": s.canary_version,
+                "raypai_canary_percent": s.canary_percent,
+            }
+            for n, s in sorted((await self._routes()).items())
+        ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -137,8 +154,12 @@ class Router:
                     return response
                 except RayActorError as exc:
                     if attempt == 2:
-                        raise APIError(503, f"model {served} is restarting ({type(exc).__name__}); retry shortly",
-                                       code="replica_unavailable", headers={"retry-after": "1"}) from None
+                        raise APIError(
+                            503,
+                            f"model {served} is restarting ({type(exc).__name__}); retry shortly",
+                            code="replica_unavailable",
+                            headers={"retry-after": "1"},
+                        ) from None
         except APIError as exc:
             ok = exc.status_code < 500  # a client's bad request is not the version's fault
             raise
@@ -151,7 +172,11 @@ class Router:
     def _judge_soon(self, name: str) -> None:
         """Judge `name`'s canary after this answer, at most once a second, off the request's path."""
         spec = self.table.get(name)
-        if spec is None or spec.canary_version is None or time.monotonic() - self.judged.get(name, (0.0, None))[0] < 1.0:
+        if (
+            spec is None
+            or spec.canary_version is None
+            or time.monotonic() - self.judged.get(name, (0.0, None))[0] < 1.0
+        ):
             return
         self.judged[name] = (time.monotonic(), self.judged.get(name, (0.0, None))[1])
         task = asyncio.ensure_future(self._judge(name, spec))
@@ -173,8 +198,9 @@ class Router:
             if done:
                 action, self.loaded_at = "rolled_back", 0.0  # the next request re-reads the routing table
         stats = {"stable": stable, "canary": canary, "policy": policy.to_dict()}
-        await asyncio.to_thread(self.store.record_canary_check, name, spec.version,
-                                spec.canary_version, decision, reason, stats, action)
+        await asyncio.to_thread(
+            self.store.record_canary_check, name, spec.version, spec.canary_version, decision, reason, stats, action
+        )
 
     async def _respond(self, handle, served: str, body, chat: bool):
         """One call to a model-server replica, which tokenizes, checks the context window and generates."""
@@ -186,15 +212,30 @@ class Router:
             if body.stream:
                 gen = handle.options(stream=True).stream.remote(req, **text)
                 first = await gen.__anext__()  # a bad prompt fails here, before any header is sent
-                return StreamingResponse(_sse(_chain(first, gen), rid, body.model, served, chat),
-                                         media_type="text/event-stream", headers=headers)
+                return StreamingResponse(
+                    _sse(_chain(first, gen), rid, body.model, served, chat),
+                    media_type="text/event-stream",
+                    headers=headers,
+                )
             res: GenResult = await handle.generate.remote(req, **text)
         except PromptError as exc:
             cause = getattr(exc, "cause", None) or exc  # Ray wraps it; the original carries the message
             raise APIError(400, str(cause), code=cause.code, param=cause.param) from None
-        choice = ({"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": res.finish_reason}
-                  if chat else {"index": 0, "text": res.text, "finish_reason": res.finish_reason, "logprobs": None})
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": body.model, "system_fingerprint": served, "raypai_model_version": served, "choices": [choice],
-            "usage": usage(res)}, headers=headers)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": res.finish_reason}
+            if chat
+            else {"index": 0, "text": res.text, "finish_reason": res.finish_reason, "logprobs": None}
+        )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "system_fingerprint": served,
+                "raypai_model_version": served,
+                "choices": [choice],
+                "usage": usage(res),
+            },
+            headers=headers,
+        )

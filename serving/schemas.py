@@ -49,8 +49,9 @@ class Autoscaling(BaseModel):
     model_config = ConfigDict(extra="forbid")
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=2, ge=1, le=64)
-    target_ongoing_requests: float = Field(default=2.0, gt=0, le=1024,
-                                           description="requests in flight per replica that Serve aims for")
+    target_ongoing_requests: float = Field(
+        default=2.0, gt=0, le=1024, description="requests in flight per replica that Serve aims for"
+    )
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -70,8 +71,9 @@ class DeploymentCreate(BaseModel):
     cpus: float = Field(default=1.0, gt=0, le=64)
     gpus: float = Field(default=0.0, ge=0, le=8)
     max_batch_size: int = Field(default=16, ge=1, le=256, description="dynamic batching: most requests per batch")
-    batch_wait_timeout_s: float = Field(default=0.01, ge=0, le=1.0,
-                                        description="dynamic batching: longest wait for a batch to fill")
+    batch_wait_timeout_s: float = Field(
+        default=0.01, ge=0, le=1.0, description="dynamic batching: longest wait for a batch to fill"
+    )
 
     @field_validator("name")
     @classmethod
@@ -84,8 +86,10 @@ class DeploymentCreate(BaseModel):
     @classmethod
     def _model(cls, v):
         if not _MODEL.match(v) or ".." in v:
-            raise ValueError("must be the name of a model in the MLflow registry, not a path or URL "
-                             "(loading arbitrary files would be remote code execution)")
+            raise ValueError(
+                "must be the name of a model in the MLflow registry, not a path or URL "
+                "(loading arbitrary files would be remote code execution)"
+            )
         return v
 
 
@@ -96,7 +100,10 @@ class DeploymentPatch(BaseModel):
     canary_percent: int | None = Field(default=None, ge=0, le=100)
     promote: bool = False
     force: bool = Field(default=False, description="promote without a healthy measured canary verdict")
-    canary_policy: dict | None = Field(default=None, description="window_s, min_requests, max_error_rate_increase, "
-                                                                 "max_latency_ratio, auto_rollback (raypai.serving.canary)")
+    canary_policy: dict | None = Field(
+        default=None,
+        description="window_s, min_requests, max_error_rate_increase, "
+        "max_latency_ratio, auto_rollback (raypai.serving.canary)",
+    )
     replicas: int | None = Field(default=None, ge=1, le=64)
     autoscaling: Autoscaling | None = None

@@ -6,8 +6,9 @@ from raypai import Artifact, StepContext, step
 
 
 @step(cpus=0.25)  # cached by model digest + evaluation: an unchanged re-run registers nothing new
-def register(ctx: StepContext, model: Artifact, name: str, evaluation: dict | None = None,
-             alias: str = "champion") -> dict:
+def register(
+    ctx: StepContext, model: Artifact, name: str, evaluation: dict | None = None, alias: str = "champion"
+) -> dict:
     """Register the model in the MLflow registry with lineage tags; set `alias` only when the
     evaluation says it beat its baseline (or when there is no evaluation)."""
     version = ctx.register_model(model, name, {"model": model})
@@ -18,8 +19,13 @@ def register(ctx: StepContext, model: Artifact, name: str, evaluation: dict | No
     return {"model": name, "version": version, "alias": alias if promoted else None, "promoted": promoted}
 
 
-def deploy_gate(registered: dict, *, require_promoted: bool, evaluation: dict | None = None,
-                min_metrics: dict[str, float] | None = None) -> str | None:
+def deploy_gate(
+    registered: dict,
+    *,
+    require_promoted: bool,
+    evaluation: dict | None = None,
+    min_metrics: dict[str, float] | None = None,
+) -> str | None:
     """Why the deploy step must not deploy `registered` (the `register` step's output), or None when
     it may: with `require_promoted` (the pipelines' `require_improvement`), a version the evaluation
     did not promote is refused; then each `min_metrics` threshold `evaluation` fails."""
@@ -68,9 +74,16 @@ def still_serving(value: dict | None, store) -> str | None:
 # Cached by its inputs (the registered version, the gates), vetted by a health check: a re-run whose
 # deployment already serves the version is a cache hit, not a redeploy.
 @step(cpus=0.25, cache_check=still_serving)
-def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpus: float = 0.5,
-           require_promoted: bool = False, evaluation: dict | None = None,
-           min_metrics: dict[str, float] | None = None) -> dict:
+def deploy(
+    ctx: StepContext,
+    registered: dict,
+    name: str,
+    replicas: int = 1,
+    cpus: float = 0.5,
+    require_promoted: bool = False,
+    evaluation: dict | None = None,
+    min_metrics: dict[str, float] | None = None,
+) -> dict:
     """Create the deployment `name` serving `registered` (the `register` step's output), or roll its
     stable version forward to it (the new version starts before the old one stops). Skipped, with the
     reason, when `require_promoted` and the evaluation did not promote it, or when a metric in
@@ -78,13 +91,13 @@ def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpu
     from raypai.serving.control import Controller
     from raypai.store import MetadataStore
 
-    refused = deploy_gate(registered, require_promoted=require_promoted, evaluation=evaluation,
-                          min_metrics=min_metrics)
+    refused = deploy_gate(registered, require_promoted=require_promoted, evaluation=evaluation, min_metrics=min_metrics)
     if refused:
         return {"deployed": False, "reason": refused, **registered}
     # the control plane's own handle on the deployments table (the step context gives no store)
-    ctl = Controller(ctx.settings, store=MetadataStore(ctx.settings.database_url, migrate_schema=False),
-                     tracker=ctx.tracker)
+    ctl = Controller(
+        ctx.settings, store=MetadataStore(ctx.settings.database_url, migrate_schema=False), tracker=ctx.tracker
+    )
     existing = ctl.spec(name)
     if existing is None:
         out = ctl.create(name, registered["model"], registered["version"], replicas=replicas, cpus=cpus)
@@ -97,5 +110,10 @@ def deploy(ctx: StepContext, registered: dict, name: str, replicas: int = 1, cpu
         ctl.update(name, canary_version=registered["version"], canary_percent=0)
         out = ctl.update(name, promote=True, force=True)
     ctx.log_metrics({"deployed_version": out["spec"]["version"]})
-    return {"deployed": True, "deployment": name, "model": registered["model"], "version": out["spec"]["version"],
-            "endpoint": out["endpoint"]}
+    return {
+        "deployed": True,
+        "deployment": name,
+        "model": registered["model"],
+        "version": out["spec"]["version"],
+        "endpoint": out["endpoint"],
+    }

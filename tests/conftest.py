@@ -24,8 +24,14 @@ os.environ.setdefault("RAYPAI_DASHBOARD", "0")
 # cores); most tests use a few, so the rest only cost CPU at every one of the suite's Ray starts.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
-_RAYPAI_VARS = ("RAYPAI_HOME", "RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "RAY_ADDRESS",
-                "RAYPAI_CONFIG")
+_RAYPAI_VARS = (
+    "RAYPAI_HOME",
+    "RAYPAI_DATABASE_URL",
+    "MLFLOW_TRACKING_URI",
+    "RAYPAI_ARTIFACT_URI",
+    "RAY_ADDRESS",
+    "RAYPAI_CONFIG",
+)
 
 
 def _free_port() -> int:
@@ -41,14 +47,18 @@ def _free_port() -> int:
 # Each test process gets a port of its own, unless the caller pinned one. pytest-xdist's workers
 # inherit the environment of the process that started them, which loaded this file first: a port
 # this file chose there (marked with that process's id) is chosen again in each worker.
-if os.environ.get("_RAYPAI_TEST_SERVE_PORT_OF", str(os.getpid())) != str(os.getpid()) or \
-        "RAYPAI_SERVE_PORT" not in os.environ:
+if (
+    os.environ.get("_RAYPAI_TEST_SERVE_PORT_OF", str(os.getpid())) != str(os.getpid())
+    or "RAYPAI_SERVE_PORT" not in os.environ
+):
     os.environ["RAYPAI_SERVE_PORT"] = str(_free_port())
     os.environ["_RAYPAI_TEST_SERVE_PORT_OF"] = str(os.getpid())
 
 _PG_VAR = "RAYPAI_TEST_DATABASE_URL"
-_PG_SKIP = (f"{_PG_VAR} is not set: the production layer (PostgreSQL) is not tested; `make test` sets it "
-            "when a local PostgreSQL server answers")
+_PG_SKIP = (
+    f"{_PG_VAR} is not set: the production layer (PostgreSQL) is not tested; `make test` sets it "
+    "when a local PostgreSQL server answers"
+)
 
 
 def _needs_postgres(item) -> bool:
@@ -59,9 +69,19 @@ def _needs_postgres(item) -> bool:
 # The files that take longest (minutes each, measured in `make test`'s durations) start first, so that
 # with several test processes (`--dist loadfile` hands out whole files in this order) none is left
 # running a long file alone at the end. Order inside a file is kept.
-_LONGEST_FIRST = ("alignment/test_families.py", "train/test_pretrain.py", "e2e/test_tinychat.py",
-                  "serving/test_serving.py", "alignment/test_algorithms.py", "test_runtime.py", "e2e/test_finetune.py",
-                  "cli/test_cli.py", "train/test_cli_train.py", "alignment/test_cli.py", "train/test_steps.py")
+_LONGEST_FIRST = (
+    "alignment/test_families.py",
+    "train/test_pretrain.py",
+    "e2e/test_tinychat.py",
+    "serving/test_serving.py",
+    "alignment/test_algorithms.py",
+    "test_runtime.py",
+    "e2e/test_finetune.py",
+    "cli/test_cli.py",
+    "train/test_cli_train.py",
+    "alignment/test_cli.py",
+    "train/test_steps.py",
+)
 
 
 def _file_rank(item) -> int:
@@ -94,10 +114,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return result
     tr = terminalreporter
     tr.write_sep("!", f"{len(skipped)} PostgreSQL test(s) SKIPPED: {_PG_VAR} is not set", red=True, bold=True)
-    tr.write_line("The metadata store on PostgreSQL, `raypai services` and the production runs were NOT tested.",
-                  red=True, bold=True)
-    tr.write_line(f"Run `make test` (it sets {_PG_VAR} when a local server answers on 127.0.0.1:5432), or "
-                  f"export {_PG_VAR}=postgresql+psycopg://postgres@127.0.0.1:5432/test", red=True)
+    tr.write_line(
+        "The metadata store on PostgreSQL, `raypai services` and the production runs were NOT tested.",
+        red=True,
+        bold=True,
+    )
+    tr.write_line(
+        f"Run `make test` (it sets {_PG_VAR} when a local server answers on 127.0.0.1:5432), or "
+        f"export {_PG_VAR}=postgresql+psycopg://postgres@127.0.0.1:5432/test",
+        red=True,
+    )
     return result
 
 

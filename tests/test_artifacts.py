@@ -72,8 +72,10 @@ def test_a_killed_writer_leaves_no_visible_artifact(tmp_path):
     for i in range(300):
         (src / f"part-{i:04d}.bin").write_bytes(block)
     root = tmp_path / "store"
-    code = (f"from raypai.artifacts import ArtifactStore;"
-            f"ArtifactStore({str(root)!r}).put_dir({str(src)!r}, kind='dataset', name='big')")
+    code = (
+        f"from raypai.artifacts import ArtifactStore;"
+        f"ArtifactStore({str(root)!r}).put_dir({str(src)!r}, kind='dataset', name='big')"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     staging = root / ".staging"
     deadline = time.time() + 60

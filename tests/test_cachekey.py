@@ -26,7 +26,9 @@ def project(tmp_path, monkeypatch):
     pkg = f"lib_{uuid.uuid4().hex[:8]}"
     root = tmp_path / "proj"
     _write(root / pkg / "__init__.py", "")
-    _write(root / pkg / "filters.py", f"""
+    _write(
+        root / pkg / "filters.py",
+        f"""
         import json
 
         import numpy
@@ -38,10 +40,13 @@ def project(tmp_path, monkeypatch):
             from {pkg}.helpers import size  # a function-level import counts too
 
             return size(word) > THRESHOLD
-        """)
+        """,
+    )
     _write(root / pkg / "helpers.py", "def size(word):\n    return len(word)\n")
     _write(root / pkg / "unused.py", "X = 1\n")
-    _write(root / f"steps_{pkg}.py", f"""
+    _write(
+        root / f"steps_{pkg}.py",
+        f"""
         from raypai import step
         from {pkg} import filters
 
@@ -49,7 +54,8 @@ def project(tmp_path, monkeypatch):
         @step(cpus=0.25)
         def long_words(words: str) -> dict:
             return {{"kept": [w for w in words.split() if filters.keep(w)]}}
-        """)
+        """,
+    )
     monkeypatch.syspath_prepend(str(root))
     yield root, pkg
     for name in [m for m in sys.modules if pkg in m]:
@@ -81,8 +87,9 @@ def test_key_covers_the_imported_project_modules_and_only_those(project):
     assert explain_miss(changed, parts) == [f"code of {pkg}.helpers changed"]
 
     other_input = KeyBuilder().components(long_words, {"words": "a bb ccc"})
-    assert explain_miss(other_input, changed, params_now={"words": "a bb ccc"}, params_before={"words": "a bb"}) \
-        == ['parameter words "a bb" → "a bb ccc"']
+    assert explain_miss(other_input, changed, params_now={"words": "a bb ccc"}, params_before={"words": "a bb"}) == [
+        'parameter words "a bb" → "a bb ccc"'
+    ]
 
 
 def test_builtin_steps_key_their_libraries_and_raypai_code():
@@ -105,8 +112,10 @@ def test_declared_libraries_replace_the_defaults_and_must_exist():
         return {}
 
     parts = KeyBuilder().components(tok, {})
-    assert parts["libraries"] == {"torch": importlib.metadata.version("torch"),
-                                  "transformers": importlib.metadata.version("transformers")}
+    assert parts["libraries"] == {
+        "torch": importlib.metadata.version("torch"),
+        "transformers": importlib.metadata.version("transformers"),
+    }
     with pytest.raises(ConfigError, match="library 'transfomers' is not installed"):
         step(libraries=("transfomers",))(lambda: None)
     with pytest.raises(ConfigError, match="must be a tuple of distribution names"):
@@ -114,8 +123,15 @@ def test_declared_libraries_replace_the_defaults_and_must_exist():
 
 
 def test_explanations_name_libraries_raypai_and_the_step_itself():
-    before = {"v": 1, "step": "m:f", "source": "s1", "inputs": {"x": "i1"}, "code": {"m": "c1", "raypai.dsl": "r1"},
-              "libraries": {"transformers": "4.46.0"}, "raypai": "0.1.0+src.aaaa"}
+    before = {
+        "v": 1,
+        "step": "m:f",
+        "source": "s1",
+        "inputs": {"x": "i1"},
+        "code": {"m": "c1", "raypai.dsl": "r1"},
+        "libraries": {"transformers": "4.46.0"},
+        "raypai": "0.1.0+src.aaaa",
+    }
     lib = {**before, "libraries": {"transformers": "4.47.1"}}
     assert explain_miss(lib, before) == ["library transformers 4.46.0 → 4.47.1"]
     fn = {**before, "source": "s2", "code": {**before["code"], "m": "c2"}}
@@ -128,4 +144,3 @@ def test_explanations_name_libraries_raypai_and_the_step_itself():
     assert explain_miss(upgraded, before) == ["raypai 0.1.0 → 0.2.0"]
     assert explain_miss(before, before) == []
     assert explain_miss(before, None) == ["no earlier run of this step recorded its key"]
-

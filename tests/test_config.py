@@ -33,8 +33,11 @@ class Outer:
 
 
 def test_values_of_the_declared_types_and_numbers_written_as_text():
-    cfg = parse_config(Outer, {"steps": "20", "lr": "3e-3", "fast": "true", "inner": {"hidden": "1e2"},
-                               "note": None}, what="test config")
+    cfg = parse_config(
+        Outer,
+        {"steps": "20", "lr": "3e-3", "fast": "true", "inner": {"hidden": "1e2"}, "note": None},
+        what="test config",
+    )
     assert cfg == Outer(inner=Inner(hidden=100), steps=20, lr=0.003, fast=True)
     assert isinstance(cfg.lr, float) and isinstance(cfg.inner.hidden, int)
     assert parse_config(Outer, None, what="t") == Outer()
@@ -43,8 +46,11 @@ def test_values_of_the_declared_types_and_numbers_written_as_text():
 
 def test_every_problem_in_one_error_with_the_fix():
     with pytest.raises(ConfigError) as err:
-        parse_config(Outer, {"stpes": 3, "lr": "fast", "fast": 2, "inner": {"hiden": 4, "heads": 2.5},
-                             "tags": "a,b", "name": 3}, what="test config")
+        parse_config(
+            Outer,
+            {"stpes": 3, "lr": "fast", "fast": 2, "inner": {"hiden": 4, "heads": 2.5}, "tags": "a,b", "name": 3},
+            what="test config",
+        )
     assert err.value.problems == [
         "unknown option 'stpes' (did you mean 'steps'?); valid options: inner, steps, lr, name, fast, tags, note",
         "lr must be float (got str 'fast')",
@@ -72,6 +78,8 @@ def test_param_assignments_all_malformed_ones_at_once():
     assert parse_assignments(["n=20", "expr=a=b", " lr =3e-3"]) == {"n": "20", "expr": "a=b", "lr": "3e-3"}
     with pytest.raises(ConfigError) as err:
         parse_assignments(["n", "=3", "m=1", "m=2"], flag="--param")
-    assert err.value.problems == ["--param 'n' is not KEY=VALUE; write e.g. --param n=20",
-                                  "--param '=3' is not KEY=VALUE; write e.g. --param n=20",
-                                  "--param 'm' is given twice ('1' and '2'); keep one"]
+    assert err.value.problems == [
+        "--param 'n' is not KEY=VALUE; write e.g. --param n=20",
+        "--param '=3' is not KEY=VALUE; write e.g. --param n=20",
+        "--param 'm' is given twice ('1' and '2'); keep one",
+    ]

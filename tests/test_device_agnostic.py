@@ -26,19 +26,40 @@ def _cases(t, mask):
     lp, old, ref, values = t(B, T), t(B, T), t(B, T), t(B, T)
     cr = lambda: L.ChosenRejected(t(B), t(B))  # noqa: E731
     return {
-        "dpo_loss": [(kind, lambda kind=kind: L.dpo_loss(cr(), cr(), beta=0.1, loss_type=kind, label_smoothing=0.1,
-                                                         lengths=L.ChosenRejected(t(B).abs() + 1, t(B).abs() + 1)))
-                     for kind in L.DPO_LOSSES],
-        "bradley_terry_loss": [("margin float", lambda: L.bradley_terry_loss(t(B), t(B), margin=0.5)),
-                               ("margin tensor", lambda: L.bradley_terry_loss(t(B), t(B), margin=t(B)))],
-        "grpo_advantages": [("scaled", lambda: L.grpo_advantages(t(B), 2)),
-                            ("unscaled", lambda: L.grpo_advantages(t(B), 2, scale=False))],
+        "dpo_loss": [
+            (
+                kind,
+                lambda kind=kind: L.dpo_loss(
+                    cr(),
+                    cr(),
+                    beta=0.1,
+                    loss_type=kind,
+                    label_smoothing=0.1,
+                    lengths=L.ChosenRejected(t(B).abs() + 1, t(B).abs() + 1),
+                ),
+            )
+            for kind in L.DPO_LOSSES
+        ],
+        "bradley_terry_loss": [
+            ("margin float", lambda: L.bradley_terry_loss(t(B), t(B), margin=0.5)),
+            ("margin tensor", lambda: L.bradley_terry_loss(t(B), t(B), margin=t(B))),
+        ],
+        "grpo_advantages": [
+            ("scaled", lambda: L.grpo_advantages(t(B), 2)),
+            ("unscaled", lambda: L.grpo_advantages(t(B), 2, scale=False)),
+        ],
         "k3_kl": [("", lambda: L.k3_kl(lp, ref))],
         "aggregate": [(mode, lambda mode=mode: L.aggregate(lp, mask, mode, max_len=T)) for mode in L.AGGREGATIONS],
-        "grpo_loss": [(f"{mode} ref={r is not None}",
-                       lambda mode=mode, r=r: L.grpo_loss(lp, old, r, t(B), mask, clip_eps=0.2, clip_eps_high=0.28,
-                                                          beta=0.04, aggregation=mode, max_len=T))
-                      for mode in L.AGGREGATIONS for r in (ref, None)],
+        "grpo_loss": [
+            (
+                f"{mode} ref={r is not None}",
+                lambda mode=mode, r=r: L.grpo_loss(
+                    lp, old, r, t(B), mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.04, aggregation=mode, max_len=T
+                ),
+            )
+            for mode in L.AGGREGATIONS
+            for r in (ref, None)
+        ],
         "clipped_surrogate": [("", lambda: L.clipped_surrogate(lp, old, t(B, T), clip_eps=0.2))],
         "masked_mean": [("", lambda: L.masked_mean(lp, mask))],
         "masked_whiten": [("", lambda: L.masked_whiten(lp, mask))],
@@ -84,6 +105,9 @@ def test_losses_and_advantages_stay_on_the_inputs_device_and_dtype(device, dtype
             tensors = list(_tensors(call()))
             assert tensors, f"{name} {variant} returned no tensor"
             # floating outputs keep the inputs' dtype; masks (bool) only need the device
-            wrong += [f"{name} {variant}: output {i} on {x.device.type}/{x.dtype}" for i, x in enumerate(tensors)
-                      if x.device.type != device or (x.is_floating_point() and x.dtype != dtype)]
+            wrong += [
+                f"{name} {variant}: output {i} on {x.device.type}/{x.dtype}"
+                for i, x in enumerate(tensors)
+                if x.device.type != device or (x.is_floating_point() and x.dtype != dtype)
+            ]
     assert not wrong, "\n".join(wrong)

@@ -59,8 +59,16 @@ def test_one_summary_line_per_running_step_no_raw_bars_and_a_log_file(raypai_hom
     assert result.ok, text
     # Ray Data's bars ("Running Dataset: …", "- ReadRange->…: Tasks: 1; Queued blocks: …"), raw progress
     # records, the workers' own lines and Ray's dedup notices ("[repeated 11x across cluster]")
-    for raw in ("__ray_tqdm_magic_token__", "__raypai_progress__", "Running Dataset", "Tasks:", "Queued blocks",
-                NOISE, "repeated", "pid="):
+    for raw in (
+        "__ray_tqdm_magic_token__",
+        "__raypai_progress__",
+        "Running Dataset",
+        "Tasks:",
+        "Queued blocks",
+        NOISE,
+        "repeated",
+        "pid=",
+    ):
         assert raw not in text, (raw, text)
 
     running = [line for line in text.splitlines() if "⋯" in line]
@@ -126,8 +134,14 @@ def test_open_ended_counts_and_long_waits_read_well():
 def test_ray_data_bars_become_the_last_operator_with_a_row_total():
     bars = _DataBars()
     dataset = {"uuid": "d", "pos": 0, "x": 0, "total": None, "desc": "Running Dataset: ds_1", "unit": " row"}
-    read = {"uuid": "r", "pos": 1, "x": 9000, "total": 20000, "desc": "- ReadRange->MapBatches(_double): Tasks: 2",
-            "unit": " row"}
+    read = {
+        "uuid": "r",
+        "pos": 1,
+        "x": 9000,
+        "total": 20000,
+        "desc": "- ReadRange->MapBatches(_double): Tasks: 2",
+        "unit": " row",
+    }
     count = {"uuid": "c", "pos": 2, "x": 0, "total": 1, "desc": "- AggregateNumRows: Tasks: 0", "unit": " row"}
     assert bars.update("rows", dataset) is None  # no total: nothing to show yet
     bars.update("rows", read)

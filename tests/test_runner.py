@@ -31,7 +31,10 @@ def test_toy_caches_reruns_affected_steps_and_tracks_in_mlflow(raypai_home):
 
     changed = _run(raypai_home, toy, n=6, upper=False)
     assert {n: s.state for n, s in changed.steps.items()} == {
-        "write_text": "cached", "transform": "succeeded", "count": "succeeded"}
+        "write_text": "cached",
+        "transform": "succeeded",
+        "count": "succeeded",
+    }
 
     tracker = tracker_for(raypai_home)
     children = tracker.child_runs(first.mlflow_run_id)
@@ -51,7 +54,6 @@ def test_toy_caches_reruns_affected_steps_and_tracks_in_mlflow(raypai_home):
     assert chain == ["count", "transform", "write_text"]
 
 
-
 def _show_reasons(run_id: str) -> dict[str, str]:
     """`raypai show RUN`'s line per step saying why it was or was not a cache hit."""
     import re
@@ -65,8 +67,7 @@ def _show_reasons(run_id: str) -> dict[str, str]:
     return dict(re.findall(r"^  (\w+): (cache .*)$", out.output, flags=re.M))
 
 
-def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_explains(raypai_home, tmp_path,
-                                                                                       monkeypatch):
+def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_explains(raypai_home, tmp_path, monkeypatch):
     import sys
     import uuid
 
@@ -83,7 +84,8 @@ def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_expla
         f"from raypai import pipeline, step\nfrom {pkg}.filters import keep\n\n\n"
         "@step(cpus=0.25)\ndef long_words(words: str) -> dict:\n"
         "    return {'kept': [w for w in words.split() if keep(w)]}\n\n\n"
-        "@pipeline\ndef words(words: str = 'a bb ccc dddd eeeee'):\n    return long_words(words=words)\n")
+        "@pipeline\ndef words(words: str = 'a bb ccc dddd eeeee'):\n    return long_words(words=words)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def run():
@@ -102,7 +104,9 @@ def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_expla
     assert _show_reasons(first.run_id) == {"long_words": "cache miss: no earlier run of this step recorded its key"}
     same = run()  # nothing changed: still a cache hit
     assert same["long_words"].state == "cached" and same.result == first.result
-    assert _show_reasons(same.run_id) == {"long_words": f"cache hit: same key as run {first.run_id[:8]} step long_words"}
+    assert _show_reasons(same.run_id) == {
+        "long_words": f"cache hit: same key as run {first.run_id[:8]} step long_words"
+    }
 
     filters = tmp_path / pkg / "filters.py"
     filters.write_text(filters.read_text().replace("THRESHOLD = 3", "THRESHOLD = 4"))
@@ -110,7 +114,8 @@ def test_editing_a_library_function_a_step_calls_is_a_cache_miss_that_show_expla
     assert edited["long_words"].state == "succeeded", "an edited library function was served from the cache"
     assert edited.result == {"kept": ["eeeee"]}
     assert _show_reasons(edited.run_id) == {
-        "long_words": f"cache miss: code of {pkg}.filters changed (compared with run {same.run_id[:8]} step long_words)"}
+        "long_words": f"cache miss: code of {pkg}.filters changed (compared with run {same.run_id[:8]} step long_words)"
+    }
 
 
 def test_failure_is_recorded_and_resume_reruns_only_unfinished(raypai_home, tmp_path):
@@ -129,7 +134,10 @@ def test_failure_is_recorded_and_resume_reruns_only_unfinished(raypai_home, tmp_
     resumed = Runner(raypai_home).run(toy.build(n=4, fail_if_exists=str(marker)), origin_run_id=failed.run_id)
     assert resumed.ok
     assert {n: s.state for n, s in resumed.steps.items()} == {
-        "write_text": "cached", "transform": "succeeded", "count": "succeeded"}
+        "write_text": "cached",
+        "transform": "succeeded",
+        "count": "succeeded",
+    }
     assert store.get_run(resumed.run_id)["origin_run_id"] == failed.run_id
 
 
@@ -249,7 +257,8 @@ def test_parameters_and_step_arguments_are_read_like_every_config():
     assert err.value.problems == [
         "pipeline 'toy': parameter 'n' must be int (got float 2.5); pass e.g. --param n=3",
         "pipeline 'toy': parameter 'upper' must be bool (got str 'maybe'); pass e.g. --param upper=true",
-        "pipeline 'toy': parameter 'seed' must be int (got bool True); pass e.g. --param seed=3"]
+        "pipeline 'toy': parameter 'seed' must be int (got bool True); pass e.g. --param seed=3",
+    ]
     assert toy.coerce_params({"n": "1e2", "seed": 4.0}) == {"n": 100, "upper": True, "fail_if_exists": "", "seed": 4}
 
     @step
@@ -269,9 +278,11 @@ def test_parameters_and_step_arguments_are_read_like_every_config():
 
     with pytest.raises(ConfigError) as err:
         wrong_args.build()
-    assert err.value.problems == ["step 'scaled': parameter 'x' must be float (got str 'fast')",
-                                  "step 'scaled': parameter 'times' must be int (got float 1.5)",
-                                  "step 'scaled': parameter 'label' must be str (got int 3)"]
+    assert err.value.problems == [
+        "step 'scaled': parameter 'x' must be float (got str 'fast')",
+        "step 'scaled': parameter 'times' must be int (got float 1.5)",
+        "step 'scaled': parameter 'label' must be str (got int 3)",
+    ]
 
 
 def test_unreachable_database_fails_before_anything_runs(raypai_home, monkeypatch):
@@ -318,8 +329,17 @@ def test_a_step_reaches_the_metadata_store_only_through_narrow_methods(raypai_ho
     store = MetadataStore(raypai_home.database_url)
     run_id = store.create_run("p", {})
     srid = store.create_step_run(run_id, "clean", "m:clean", {}, None)
-    ctx = StepContext(raypai_home, run_id, srid, "clean", "p", store, ArtifactStore(raypai_home.artifact_uri),
-                      tracker_for(raypai_home), None)
+    ctx = StepContext(
+        raypai_home,
+        run_id,
+        srid,
+        "clean",
+        "p",
+        store,
+        ArtifactStore(raypai_home.artifact_uri),
+        tracker_for(raypai_home),
+        None,
+    )
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x.txt").write_text("x")
     art = ctx.save(tmp_path / "out", kind="dataset")

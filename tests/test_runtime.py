@@ -17,7 +17,7 @@ from raypai import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PIPELINE = '''
+PIPELINE = """
 from raypai import Artifact, StepContext, pipeline, step
 from raypai.serving.steps import deploy, register
 
@@ -34,7 +34,7 @@ def tiny_model(ctx: StepContext, seed: int = 0) -> Artifact:
 @pipeline
 def ports(seed: int = 0):
     return deploy(register(tiny_model(seed=seed), name="tiny"), name="tiny", cpus=0.5)
-'''
+"""
 
 
 @contextlib.contextmanager
@@ -118,8 +118,14 @@ def test_a_pinned_port_that_is_taken_is_one_clear_error(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.listen()
-        out = subprocess.run([sys.executable, "-m", "raypai.cli", "server", "--port", str(port)], cwd=tmp_path,
-                             env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "raypai.cli", "server", "--port", str(port)],
+            cwd=tmp_path,
+            env=_env(tmp_path / "home"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"deploy API port {port} is in use" in out.stdout and "Traceback" not in out.stdout + out.stderr
 
@@ -149,8 +155,14 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
     (tmp_path / "ports.py").write_text(PIPELINE)
 
     def raypai(*args, ok=True, timeout=600):
-        out = subprocess.run([sys.executable, "-m", "raypai.cli", *args], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [sys.executable, "-m", "raypai.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert (out.returncode == 0) == ok, out.stdout + out.stderr
         return out
 
@@ -170,8 +182,12 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
             dashboard_port = int(head.dashboard_url.rsplit(":", 1)[1])
             chosen = {gcs_port, dashboard_port, head.client_port, head.serve_port}
             assert len(chosen) == 4 and not chosen & taken, (chosen, taken)
-            for shown in (head.address, head.dashboard_url, f"ray://127.0.0.1:{head.client_port}",
-                          f"http://127.0.0.1:{head.serve_port}/v1"):
+            for shown in (
+                head.address,
+                head.dashboard_url,
+                f"ray://127.0.0.1:{head.client_port}",
+                f"http://127.0.0.1:{head.serve_port}/v1",
+            ):
                 assert shown in started.stdout, started.stdout  # what was chosen is printed
             assert httpx.get(head.dashboard_url, timeout=30).status_code == 200
 
@@ -182,9 +198,12 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
             assert f"raypai's Ray head at {head.address}" in run.stdout  # the run joined the head
             store = MetadataStore(settings.database_url)
             token = store.create_token("client", ["infer"])
-            r = httpx.post(f"http://127.0.0.1:{head.serve_port}/v1/chat/completions", timeout=120,
-                           headers={"Authorization": f"Bearer {token}"},
-                           json={"model": "tiny", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 3})
+            r = httpx.post(
+                f"http://127.0.0.1:{head.serve_port}/v1/chat/completions",
+                timeout=120,
+                headers={"Authorization": f"Bearer {token}"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 3},
+            )
             assert r.status_code == 200 and r.headers["x-raypai-model-version"] == "tiny/1", r.text
 
             # a re-run while the deployment serves that version: every step a cache hit, deploy included
@@ -196,8 +215,13 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
 
             # the deploy API: 8080 is taken, so it records the port it took; `raypai deploy` finds it there
             log = open(tmp_path / "server.log", "w")
-            server = subprocess.Popen([sys.executable, "-m", "raypai.cli", "server"], cwd=tmp_path, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT)
+            server = subprocess.Popen(
+                [sys.executable, "-m", "raypai.cli", "server"],
+                cwd=tmp_path,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             api = _wait_for(lambda: runtime.load_state(settings).endpoints.get("api"), 120, tmp_path / "server.log")
             assert int(api.url.rsplit(":", 1)[1]) not in taken
             _wait_for(lambda: _healthy(api.url + "/healthz"), 120, tmp_path / "server.log")
@@ -210,8 +234,9 @@ def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays
 
         head_pids = [p for p in head.pids if runtime._pid_alive(p)]
         assert head_pids
-        stop = subprocess.run(["make", "-C", str(ROOT), "demo-stop"], env=env, capture_output=True, text=True,
-                              timeout=120)
+        stop = subprocess.run(
+            ["make", "-C", str(ROOT), "demo-stop"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert "stopped raypai's Ray head" in stop.stdout
         assert not any(runtime._pid_alive(p) for p in head_pids)
@@ -263,11 +288,28 @@ def test_runtime_json_is_what_load_state_reads(tmp_path):
     from raypai.settings import Settings
 
     settings = Settings.load({"RAYPAI_HOME": str(tmp_path)})
-    runtime.state_path(settings).write_text(json.dumps({"head": {
-        "address": "127.0.0.1:1", "dashboard_url": None, "client_port": 1, "serve_port": 1, "temp_dir": "/nope",
-        "session_dir": "/nope/session_x", "pids": [os.getpid()], "num_cpus": 1, "auth_mode": "token",
-        "started_at": 0.0}, "endpoints": {"api": {"url": "http://127.0.0.1:1", "pid": os.getpid()},
-                                          "mlflow_ui": {"url": "http://127.0.0.1:2", "pid": 2 ** 22 + 1}}}))
+    runtime.state_path(settings).write_text(
+        json.dumps(
+            {
+                "head": {
+                    "address": "127.0.0.1:1",
+                    "dashboard_url": None,
+                    "client_port": 1,
+                    "serve_port": 1,
+                    "temp_dir": "/nope",
+                    "session_dir": "/nope/session_x",
+                    "pids": [os.getpid()],
+                    "num_cpus": 1,
+                    "auth_mode": "token",
+                    "started_at": 0.0,
+                },
+                "endpoints": {
+                    "api": {"url": "http://127.0.0.1:1", "pid": os.getpid()},
+                    "mlflow_ui": {"url": "http://127.0.0.1:2", "pid": 2**22 + 1},
+                },
+            }
+        )
+    )
     state = runtime.load_state(settings)
     assert state.head is None  # this pid runs pytest, not that head's GCS
     assert list(state.endpoints) == ["api"]  # the UI's pid does not exist
@@ -291,8 +333,14 @@ def test_ui_takes_a_free_port_when_5000_is_taken_and_records_it(tmp_path):
 
     settings = Settings.load({"RAYPAI_HOME": str(tmp_path / "home")})
     with hold(5000) as held, open(tmp_path / "ui.log", "w") as log:
-        ui = subprocess.Popen([sys.executable, "-m", "raypai.cli", "ui"], cwd=tmp_path, env=_env(tmp_path / "home"),
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        ui = subprocess.Popen(
+            [sys.executable, "-m", "raypai.cli", "ui"],
+            cwd=tmp_path,
+            env=_env(tmp_path / "home"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             ep = _wait_for(lambda: runtime.load_state(settings).endpoints.get("mlflow_ui"), 120, tmp_path / "ui.log")
             port = int(ep.url.rsplit(":", 1)[1])
@@ -300,8 +348,9 @@ def test_ui_takes_a_free_port_when_5000_is_taken_and_records_it(tmp_path):
             # the recorded process is the MLflow server on that port (its first start migrates a fresh
             # database for a minute on this machine, so the test does not wait for it to answer)
             assert f"--port {port}" in runtime._cmdline(ep.pid) and "mlflow" in runtime._cmdline(ep.pid)
-            _wait_for(lambda: f"MLflow UI:      {ep.url}" in (tmp_path / "ui.log").read_text(), 30,
-                      tmp_path / "ui.log")  # the chosen port is printed
+            _wait_for(
+                lambda: f"MLflow UI:      {ep.url}" in (tmp_path / "ui.log").read_text(), 30, tmp_path / "ui.log"
+            )  # the chosen port is printed
         finally:
             os.killpg(ui.pid, signal.SIGTERM)  # the CLI and the MLflow server it started
             ui.wait(30)
@@ -323,8 +372,9 @@ def test_a_local_ray_without_dashboard_does_not_name_another_rays_dashboard(tmp_
     with hold(runtime.DEFAULT_PORTS["dashboard"]):
         try:
             runtime.ensure_ray(settings, local=True, num_cpus=1, dashboard=False, log_to_driver=False)
-            api = _internal_kv_get(ray_constants.DASHBOARD_ADDRESS,
-                                   namespace=ray_constants.KV_NAMESPACE_DASHBOARD).decode()
+            api = _internal_kv_get(
+                ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD
+            ).decode()
             port = int(api.rsplit(":", 1)[1])
             assert port != runtime.DEFAULT_PORTS["dashboard"] and runtime.port_is_free(port), api
         finally:
@@ -352,8 +402,9 @@ def test_ensure_ray_local_starts_its_own_ray_with_the_options_asked(tmp_path):
     # nothing listens there: joining it would fail, so a local Ray shows RAY_ADDRESS was skipped
     settings = Settings.load({"RAYPAI_HOME": str(tmp_path), "RAY_ADDRESS": f"127.0.0.1:{runtime.pick_port()}"})
     try:
-        info = runtime.ensure_ray(settings, local=True, num_cpus=3, dashboard=False, log_to_driver=False,
-                                  object_store_memory=store_bytes)
+        info = runtime.ensure_ray(
+            settings, local=True, num_cpus=3, dashboard=False, log_to_driver=False, object_store_memory=store_bytes
+        )
         assert info.kind == "local" and info.dashboard_url is None
         resources = ray.cluster_resources()
         assert resources["CPU"] == 3

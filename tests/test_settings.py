@@ -22,13 +22,26 @@ def test_toml_file_is_read_and_env_wins(tmp_path):
 
 def test_invalid_values_are_all_reported_with_fixes(tmp_path):
     with pytest.raises(ConfigError) as err:
-        Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_DATABASE_URL": "mysql://x/y",
-                       "MLFLOW_TRACKING_URI": "ftp://nope", "RAYPAI_ARTIFACT_URI": "weird://b",
-                       "RAYPAI_RAY_NUM_CPUS": "zero", "RAY_ADDRESS": "nowhere"})
+        Settings.load(
+            {
+                "RAYPAI_HOME": str(tmp_path),
+                "RAYPAI_DATABASE_URL": "mysql://x/y",
+                "MLFLOW_TRACKING_URI": "ftp://nope",
+                "RAYPAI_ARTIFACT_URI": "weird://b",
+                "RAYPAI_RAY_NUM_CPUS": "zero",
+                "RAY_ADDRESS": "nowhere",
+            }
+        )
     problems = err.value.problems
     assert len(problems) == 5
     text = str(err.value)
-    for name in ("RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "RAYPAI_RAY_NUM_CPUS", "RAY_ADDRESS"):
+    for name in (
+        "RAYPAI_DATABASE_URL",
+        "MLFLOW_TRACKING_URI",
+        "RAYPAI_ARTIFACT_URI",
+        "RAYPAI_RAY_NUM_CPUS",
+        "RAY_ADDRESS",
+    ):
         assert name in text
     assert "postgresql+psycopg://" in text  # the fix is named
 
@@ -47,8 +60,14 @@ def test_ports_and_dashboard_settings(tmp_path):
     cluster = Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_HOST": "0.0.0.0"})
     assert cluster.serve_host == "0.0.0.0" and Settings.load(cluster.to_env()) == cluster
     with pytest.raises(ConfigError) as err:
-        Settings.load({"RAYPAI_HOME": str(tmp_path), "RAYPAI_SERVE_PORT": "70000", "RAYPAI_DASHBOARD": "maybe",
-                       "RAYPAI_SERVE_HOST": "http://0.0.0.0"})
+        Settings.load(
+            {
+                "RAYPAI_HOME": str(tmp_path),
+                "RAYPAI_SERVE_PORT": "70000",
+                "RAYPAI_DASHBOARD": "maybe",
+                "RAYPAI_SERVE_HOST": "http://0.0.0.0",
+            }
+        )
     assert len(err.value.problems) == 3
     assert "RAYPAI_SERVE_PORT='70000'" in str(err.value) and "RAYPAI_DASHBOARD='maybe'" in str(err.value)
     assert "RAYPAI_SERVE_HOST='http://0.0.0.0'" in str(err.value) and "0.0.0.0 (every interface)" in str(err.value)

@@ -64,8 +64,10 @@ def test_importing_tracking_leaves_the_environment_alone(tmp_path):
     import subprocess
     import sys
 
-    code = ("import os, raypai.tracking as t; assert 'MLFLOW_DISABLE_TELEMETRY' not in os.environ, 'import wrote it'; "
-            f"t.Tracker('sqlite:///{tmp_path}/m.db').client; assert os.environ['MLFLOW_DISABLE_TELEMETRY'] == 'true'")
+    code = (
+        "import os, raypai.tracking as t; assert 'MLFLOW_DISABLE_TELEMETRY' not in os.environ, 'import wrote it'; "
+        f"t.Tracker('sqlite:///{tmp_path}/m.db').client; assert os.environ['MLFLOW_DISABLE_TELEMETRY'] == 'true'"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

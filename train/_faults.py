@@ -71,8 +71,9 @@ class Faults:
 
     def record_memory(self, rank: int, rss_at_start: int) -> None:
         if self.trace_dir:
-            (Path(self.trace_dir) / f"memory-rank{rank}.json").write_text(json.dumps(
-                {"rss_at_start": rss_at_start, "peak_rss": _status_bytes("VmHWM")}))
+            (Path(self.trace_dir) / f"memory-rank{rank}.json").write_text(
+                json.dumps({"rss_at_start": rss_at_start, "peak_rss": _status_bytes("VmHWM")})
+            )
 
 
 def _reset_peak() -> None:

@@ -90,9 +90,13 @@ def _report(folder: Path, metrics: dict, next_step: int, *, upload_async: bool) 
     import ray.train
 
     mode = ray.train.CheckpointUploadMode.ASYNC if upload_async else ray.train.CheckpointUploadMode.SYNC
-    ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
-                     checkpoint_dir_name=dir_name(next_step), checkpoint_upload_mode=mode,
-                     delete_local_checkpoint_after_upload=True)
+    ray.train.report(
+        dict(metrics),
+        checkpoint=ray.train.Checkpoint.from_directory(str(folder)),
+        checkpoint_dir_name=dir_name(next_step),
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=True,
+    )
 
 
 def save(engine, metrics: dict, *, next_step: int, rank: int, final: bool = False) -> float:
@@ -188,8 +192,9 @@ class AsyncCheckpointer:
         finally:
             self.engine.checkpoint_engine = real
         small = {"folder": folder, "next_step": next_step, "rank": self.rank, "rng": _rng_state()}  # RNG: a copy, now
-        self._thread = threading.Thread(target=self._write, args=(snap.items, small, _cuda_event()),
-                                        name="raypai-ckpt-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(snap.items, small, _cuda_event()), name="raypai-ckpt-writer", daemon=True
+        )
         self._thread.start()
         self._pending = (folder, dict(metrics), next_step)
         t2 = time.perf_counter()
@@ -300,8 +305,10 @@ def checkpoint_from_path(path: str | Path):
 
     fs, root = _fs.resolve(path)
     if fs.get_file_info(f"{root}/{DATA_POSITION}").type != pafs.FileType.File:
-        raise TrainError(f"resume_from={path}: no raypai checkpoint there (no {DATA_POSITION}); pass a "
-                         "checkpoint_* folder of an earlier run (see `latest_checkpoint`), or leave resume_from empty")
+        raise TrainError(
+            f"resume_from={path}: no raypai checkpoint there (no {DATA_POSITION}); pass a "
+            "checkpoint_* folder of an earlier run (see `latest_checkpoint`), or leave resume_from empty"
+        )
     return ray.train.Checkpoint(root, filesystem=fs)
 
 

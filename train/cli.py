@@ -1,8 +1,8 @@
 """`raypai train`: pretrain a causal LM from token shards on Ray Train + DeepSpeed.
 
-    raypai train SHARDS_DIR OUT_DIR --tokenizer TOKENIZER_DIR --config pretrain.yaml --name run-1
-    raypai train SHARDS_DIR OUT_DIR --steps 200 --workers 2 --zero-stage 2     # flags override the file
-    raypai train SHARDS_DIR OUT_DIR --config pretrain.yaml --name run-1        # again: resumes run-1
+raypai train SHARDS_DIR OUT_DIR --tokenizer TOKENIZER_DIR --config pretrain.yaml --name run-1
+raypai train SHARDS_DIR OUT_DIR --steps 200 --workers 2 --zero-stage 2     # flags override the file
+raypai train SHARDS_DIR OUT_DIR --config pretrain.yaml --name run-1        # again: resumes run-1
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def train_command(
         cfg = PretrainConfig.from_dict(raw)
         settings = Settings.load()
         ensure_ray(settings)
-        res = pretrain(shards_dir, tokenizer, out_dir, cfg, name=name, storage_path=settings.home / "train",
-                       resume=not fresh)
+        res = pretrain(
+            shards_dir, tokenizer, out_dir, cfg, name=name, storage_path=settings.home / "train", resume=not fresh
+        )
     except RaypaiError as exc:
         typer.secho(str(exc), fg=typer.colors.RED, err=True)
         raise typer.Exit(exits.REFUSED) from exc

@@ -31,8 +31,10 @@ class ModelConfig:
         if self.heads >= 1 and self.hidden % self.heads:
             p.append(f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads})")
         if self.kv_heads >= 1 and self.heads % self.kv_heads:
-            p.append(f"model.heads ({self.heads}) must be divisible by model.kv_heads ({self.kv_heads}) "
-                     "for grouped-query attention")
+            p.append(
+                f"model.heads ({self.heads}) must be divisible by model.kv_heads ({self.kv_heads}) "
+                "for grouped-query attention"
+            )
         return p
 
 
@@ -75,8 +77,16 @@ class PretrainConfig:
 
     def validate(self) -> "PretrainConfig":
         p = list(self.model.problems())
-        for name in ("steps", "micro_batch", "grad_accum", "workers", "threads_per_worker", "eval_every",
-                     "checkpoint_every", "log_every"):
+        for name in (
+            "steps",
+            "micro_batch",
+            "grad_accum",
+            "workers",
+            "threads_per_worker",
+            "eval_every",
+            "checkpoint_every",
+            "log_every",
+        ):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be ≥ 1 (got {getattr(self, name)})")
         if not 0 < self.lr < 1:
@@ -98,8 +108,10 @@ class PretrainConfig:
         if self.grad_clip < 0 or self.weight_decay < 0:
             p.append(f"grad_clip and weight_decay must be ≥ 0 (got {self.grad_clip}, {self.weight_decay}); 0 disables")
         if self.memory_budget_gb <= 0 or self.cpus_per_worker <= 0:
-            p.append(f"memory_budget_gb and cpus_per_worker must be > 0 (got {self.memory_budget_gb}, "
-                     f"{self.cpus_per_worker})")
+            p.append(
+                f"memory_budget_gb and cpus_per_worker must be > 0 (got {self.memory_budget_gb}, "
+                f"{self.cpus_per_worker})"
+            )
         if self.straggler_ratio <= 1:
             p.append(f"straggler_ratio must be > 1 (got {self.straggler_ratio}): it is a slowdown factor")
         if self.eval_blocks < 1:
@@ -129,7 +141,7 @@ class PretrainConfig:
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError([f"config file {path}: cannot be read ({exc})"], what="pretrain config") from exc
         if not isinstance(raw, dict):
-            raise ConfigError([f"config file {path}: expected a mapping of options, got {type(raw).__name__}"],
-                              what="pretrain config")
+            raise ConfigError(
+                [f"config file {path}: expected a mapping of options, got {type(raw).__name__}"], what="pretrain config"
+            )
         return cls.from_dict(raw)
-

@@ -42,21 +42,27 @@ def write_shard(path: str | Path, block_ids: np.ndarray, tokens: np.ndarray) -> 
     row groups of about `ROW_GROUP_TOKENS` tokens (what makes block-level reads cheap)."""
     n, block = tokens.shape
     arr = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(tokens, np.int32).reshape(-1)), block)
-    table = pa.table({"block_id": pa.array(np.asarray(block_ids), pa.int64()), "input_ids": arr.cast(pa.list_(pa.int32()))})
+    table = pa.table(
+        {"block_id": pa.array(np.asarray(block_ids), pa.int64()), "input_ids": arr.cast(pa.list_(pa.int32()))}
+    )
     pq.write_table(table, path, row_group_size=max(1, ROW_GROUP_TOKENS // block))
 
 
 def _load(fs, root: str, shards_dir) -> TokenShardsManifest:
     raw = read_json(fs, f"{root}/{MANIFEST}")
     if raw is None:
-        raise TrainError(f"{shards_dir} is not a token-shards artifact (no {MANIFEST}); run the tokenize step "
-                         "(raypai.data) or pass the token_shards folder")
+        raise TrainError(
+            f"{shards_dir} is not a token-shards artifact (no {MANIFEST}); run the tokenize step "
+            "(raypai.data) or pass the token_shards folder"
+        )
     try:
         return TokenShardsManifest.from_dict(raw)
     except ConfigError as err:
-        raise TrainError(f"{shards_dir}/{MANIFEST} is not a valid token-shards manifest:\n"
-                         + "\n".join(f"  - {p}" for p in err.problems)
-                         + "\nre-run the tokenize step to rewrite the shards") from None
+        raise TrainError(
+            f"{shards_dir}/{MANIFEST} is not a valid token-shards manifest:\n"
+            + "\n".join(f"  - {p}" for p in err.problems)
+            + "\nre-run the tokenize step to rewrite the shards"
+        ) from None
 
 
 def read_manifest(shards_dir: str | Path) -> TokenShardsManifest:
@@ -77,12 +83,16 @@ def read_manifest(shards_dir: str | Path) -> TokenShardsManifest:
                 meta = pq.read_metadata(f)
             lacking = [c for c in COLUMNS if c not in meta.schema.to_arrow_schema().names]
             if lacking:
-                raise TrainError(f"{shards_dir}/{name} has no {', '.join(lacking)} column; token shards hold "
-                                 "block_id and input_ids (re-run the tokenize step)")
+                raise TrainError(
+                    f"{shards_dir}/{name} has no {', '.join(lacking)} column; token shards hold "
+                    "block_id and input_ids (re-run the tokenize step)"
+                )
             n += meta.num_rows
         if n == 0:
-            raise TrainError(f"{shards_dir} has no {split} blocks (empty token shards); clean and tokenize more "
-                             "text, or lower the tokenizer's eval fraction")
+            raise TrainError(
+                f"{shards_dir} has no {split} blocks (empty token shards); clean and tokenize more "
+                "text, or lower the tokenizer's eval fraction"
+            )
         counts[split] = n
     return replace(manifest, num_blocks=counts["train"], num_eval_blocks=counts["eval"])
 
@@ -152,8 +162,10 @@ class TokenShards:
         t = self._file(fi).read_row_group(rg, columns=COLUMNS)
         flat = t.column("input_ids").combine_chunks().flatten().to_numpy()  # (n·T,) without Python lists
         if flat.size != t.num_rows * self.block_size:
-            raise TrainError(f"{self._files[fi]}: input_ids rows are not all {self.block_size} tokens long; "
-                             "token shards must hold fixed-length blocks (re-run the tokenize step)")
+            raise TrainError(
+                f"{self._files[fi]}: input_ids rows are not all {self.block_size} tokens long; "
+                "token shards must hold fixed-length blocks (re-run the tokenize step)"
+            )
         out = (t.column("block_id").to_numpy(), flat.astype(np.int32, copy=False).reshape(-1, self.block_size))
         self._cache[g] = out
         if len(self._cache) > self.cache_groups:
@@ -214,8 +226,7 @@ class Prefetcher:
     the current one trains (pyarrow decodes without the GIL). `get(step, micro)` returns
     (block ids (b,), tokens (b, T)) and starts reading the micro-batch after it."""
 
-    def __init__(self, shards: TokenShards, order: BlockOrder, *, rank: int, world: int, micro_batch: int,
-                 accum: int):
+    def __init__(self, shards: TokenShards, order: BlockOrder, *, rank: int, world: int, micro_batch: int, accum: int):
         self.shards, self.order = shards, order
         self.rank, self.world, self.micro_batch, self.accum = rank, world, micro_batch, accum
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raypai-blocks")
@@ -224,8 +235,9 @@ class Prefetcher:
 
     def _read(self, step: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
-            return self.shards.take(self.order.indices(step, micro, self.rank, self.world, self.micro_batch,
-                                                       self.accum))
+            return self.shards.take(
+                self.order.indices(step, micro, self.rank, self.world, self.micro_batch, self.accum)
+            )
 
     def get(self, step: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
         if self._next is not None and self._next[0] == (step, micro):

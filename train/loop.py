@@ -70,12 +70,17 @@ def train_loop(loop_cfg: dict) -> None:
     seq_len = train.block_size
     model = build_model(cfg.model, plan["vocab_size"], pad_id=plan["pad_id"], eos_id=plan["eos_id"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
-        s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_multiplier(
+            s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio
+        ),
+    )
     conf = ds_config(cfg)
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips, so the norm is known (raypai.train.clipping)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=conf, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf, dist_init_required=False
+    )
     order = BlockOrder(len(train), cfg.seed)
 
     start_step, finished = 0, None
@@ -130,9 +135,12 @@ def train_loop(loop_cfg: dict) -> None:
             window_losses, window_time = [], 0.0
             if rank == 0:
                 left = (time.perf_counter() - loop_start) / (done - start_step) * (cfg.steps - done)
-                print(f"[raypai.train] step {done}/{cfg.steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
-                      f"tok/s {metrics['tokens_per_s']:.0f} mfu {metrics['mfu']:.3f} "
-                      f"[{_bar(done / cfg.steps)}] {100 * done / cfg.steps:.0f}% ~{left:.0f}s left", flush=True)
+                print(
+                    f"[raypai.train] step {done}/{cfg.steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
+                    f"tok/s {metrics['tokens_per_s']:.0f} mfu {metrics['mfu']:.3f} "
+                    f"[{_bar(done / cfg.steps)}] {100 * done / cfg.steps:.0f}% ~{left:.0f}s left",
+                    flush=True,
+                )
         if done % cfg.eval_every == 0 or done == cfg.steps:
             metrics.update(_evaluate(engine, eval_tokens, cfg, rank, world))
         if logger is not None and len(metrics) > 2:
@@ -153,12 +161,16 @@ def train_loop(loop_cfg: dict) -> None:
     if saver is not None:
         stall_total += saver.flush()
     # stall: every second the loop waited on checkpointing (snapshots, polls, reports, final flush)
-    final = {**metrics, "checkpoint_stall_s": stall_total, "checkpoints": len(stalls),
-             "checkpoint_stall_mean_s": stall_total / len(stalls) if stalls else 0.0,
-             "checkpoint_stall_first_s": stalls[0] if stalls else 0.0,  # the first snapshot also allocates buffers
-             # after warm-up: mean, and median (robust to other processes' bursts on a shared machine)
-             "tokens_per_s_steady": tokens_per_step * len(steady_times) / sum(steady_times) if steady_times else 0.0,
-             "tokens_per_s_median": tokens_per_step / float(np.median(steady_times)) if steady_times else 0.0}
+    final = {
+        **metrics,
+        "checkpoint_stall_s": stall_total,
+        "checkpoints": len(stalls),
+        "checkpoint_stall_mean_s": stall_total / len(stalls) if stalls else 0.0,
+        "checkpoint_stall_first_s": stalls[0] if stalls else 0.0,  # the first snapshot also allocates buffers
+        # after warm-up: mean, and median (robust to other processes' bursts on a shared machine)
+        "tokens_per_s_steady": tokens_per_step * len(steady_times) / sum(steady_times) if steady_times else 0.0,
+        "tokens_per_s_median": tokens_per_step / float(np.median(steady_times)) if steady_times else 0.0,
+    }
     if saver is not None:  # where the asynchronous stall went: waiting on a write, snapshot copies, polls, reports
         final.update({f"checkpoint_stall_{part}_s": v for part, v in saver.stall.items()})
         final["checkpoint_snapshot_buffer_mb"] = saver.buffers.nbytes / 2**20
@@ -172,8 +184,7 @@ def _bar(fraction: float, width: int = 20) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def _window_metrics(engine, losses: list[float], step_time: float, world: int, stragglers, *,
-                    verbose: bool) -> dict:
+def _window_metrics(engine, losses: list[float], step_time: float, world: int, stragglers, *, verbose: bool) -> dict:
     """Mean loss over the log window on all workers, grad norm, and each worker's last step time."""
     import torch
     import torch.distributed as dist
@@ -184,16 +195,21 @@ def _window_metrics(engine, losses: list[float], step_time: float, world: int, s
     dist.all_reduce(loss_t)
     times = [None] * world
     dist.all_gather_object(times, step_time)
-    out = {"loss": loss_t.item() / world, "grad_norm": grad_norm(engine),
-           **{f"step_time_s.rank{r}": t for r, t in enumerate(times)}}
+    out = {
+        "loss": loss_t.item() / world,
+        "grad_norm": grad_norm(engine),
+        **{f"step_time_s.rank{r}": t for r, t in enumerate(times)},
+    }
     for r in stragglers.observe(times):
         out["straggler_rank"] = r
         if not verbose:
             continue
         others = [t for i, t in enumerate(times) if i != r]
-        print(f"[raypai.train] WARNING straggler: worker {r} step time {times[r]:.3f}s is "
-              f"{times[r] / np.median(others):.1f}x its peers' median for {stragglers.patience} log intervals",
-              flush=True)
+        print(
+            f"[raypai.train] WARNING straggler: worker {r} step time {times[r]:.3f}s is "
+            f"{times[r] / np.median(others):.1f}x its peers' median for {stragglers.patience} log intervals",
+            flush=True,
+        )
     return out
 
 
@@ -212,7 +228,7 @@ def _evaluate(engine, mine: np.ndarray, cfg, rank: int, world: int) -> dict:
     total = torch.zeros(2, device=engine.device)  # (sum of loss × blocks, blocks)
     with torch.no_grad():
         for i in range(0, len(mine), cfg.micro_batch):
-            x = torch.from_numpy(mine[i:i + cfg.micro_batch]).long().to(engine.device)  # (b, T)
+            x = torch.from_numpy(mine[i : i + cfg.micro_batch]).long().to(engine.device)  # (b, T)
             total += torch.tensor([engine(input_ids=x, labels=x).loss.item() * len(x), len(x)], device=engine.device)
     engine.train()
     dist.all_reduce(total)

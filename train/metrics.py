@@ -31,7 +31,7 @@ class StragglerDetector:
         """Record one step time per rank; return the ranks that just became persistent stragglers."""
         flagged = []
         for rank, t in enumerate(step_times):
-            peers = step_times[:rank] + step_times[rank + 1:]
+            peers = step_times[:rank] + step_times[rank + 1 :]
             slow = bool(peers) and t > self.ratio * statistics.median(peers)
             self._streak[rank] = self._streak[rank] + 1 if slow else 0
             if self._streak[rank] == self.patience:

@@ -8,11 +8,17 @@ from raypai.errors import TrainError
 from raypai.train.config import ModelConfig
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None, *,
-                weights: bool = True):
+def build_model(
+    cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None, *, weights: bool = True
+):
     """A `LlamaForCausalLM` from the config, or the checkpoint at `cfg.init_from`.
 
     `weights=False`: the architecture only, on PyTorch's meta device (no memory allocated, no random
@@ -29,18 +35,31 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eo
             model = AutoModelForCausalLM.from_pretrained(path)
         else:
             if not any((path / name).exists() for name in WEIGHT_FILES):
-                raise TrainError(f"model.init_from={cfg.init_from}: no weights there (none of {', '.join(WEIGHT_FILES)}); "
-                                 "pass a folder written by save_pretrained")
+                raise TrainError(
+                    f"model.init_from={cfg.init_from}: no weights there (none of {', '.join(WEIGHT_FILES)}); "
+                    "pass a folder written by save_pretrained"
+                )
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         if model.config.vocab_size != vocab_size:
-            raise TrainError(f"vocab mismatch: model at {path} has vocab_size {model.config.vocab_size} but the "
-                             f"tokenizer has {vocab_size}; use the tokenizer the model was trained with")
+            raise TrainError(
+                f"vocab mismatch: model at {path} has vocab_size {model.config.vocab_size} but the "
+                f"tokenizer has {vocab_size}; use the tokenizer the model was trained with"
+            )
         return model
-    hf = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                     max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
-                     pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
+    hf = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
     if weights:
         return LlamaForCausalLM(hf)
     with torch.device("meta"):

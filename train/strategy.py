@@ -37,8 +37,10 @@ class MemoryEstimate:
         return {**asdict(self), "total_gb": self.total_gb}
 
     def describe(self) -> str:
-        return (f"≈ {self.total_gb:.3f} GB/worker (weights {self.params_gb:.3f}, grads {self.grads_gb:.3f}, "
-                f"optimizer {self.optimizer_gb:.3f}, activations {self.activations_gb:.3f})")
+        return (
+            f"≈ {self.total_gb:.3f} GB/worker (weights {self.params_gb:.3f}, grads {self.grads_gb:.3f}, "
+            f"optimizer {self.optimizer_gb:.3f}, activations {self.activations_gb:.3f})"
+        )
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ class ModelShape:
 
     @classmethod
     def of(cls, hf_config) -> "ModelShape":
-        return cls(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads,
-                   hf_config.vocab_size)
+        return cls(
+            hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, hf_config.vocab_size
+        )
 
     @classmethod
     def from_config(cls, cfg: PretrainConfig) -> "ModelShape":
@@ -78,8 +81,9 @@ def model_state_bytes(n_params: int, workers: int, stage: int, mixed_precision: 
     return weights, grads, optim
 
 
-def activation_bytes(*, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, micro_batch: int,
-                     mixed_precision: bool) -> float:
+def activation_bytes(
+    *, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, micro_batch: int, mixed_precision: bool
+) -> float:
     """Activations kept for the backward pass of one micro-batch (Korthikanti et al. 2022, eq. 2)."""
     per_layer = seq_len * micro_batch * hidden * (34 + 5 * heads * seq_len / hidden)
     per_layer *= 1 if mixed_precision else 2
@@ -87,13 +91,21 @@ def activation_bytes(*, layers: int, hidden: int, heads: int, vocab: int, seq_le
     return layers * per_layer + logits
 
 
-def estimate(n_params: int, cfg: PretrainConfig, seq_len: int, stage: int, micro_batch: int,
-             shape: ModelShape | None = None) -> MemoryEstimate:
+def estimate(
+    n_params: int, cfg: PretrainConfig, seq_len: int, stage: int, micro_batch: int, shape: ModelShape | None = None
+) -> MemoryEstimate:
     """Per-worker bytes at this stage and micro-batch; `shape` defaults to `cfg.model`'s."""
     m = shape or ModelShape.from_config(cfg)
     weights, grads, optim = model_state_bytes(n_params, cfg.workers, stage, cfg.use_gpu)
-    act = activation_bytes(layers=m.layers, hidden=m.hidden, heads=m.heads, vocab=m.vocab,
-                           seq_len=seq_len, micro_batch=micro_batch, mixed_precision=cfg.use_gpu)
+    act = activation_bytes(
+        layers=m.layers,
+        hidden=m.hidden,
+        heads=m.heads,
+        vocab=m.vocab,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        mixed_precision=cfg.use_gpu,
+    )
     return MemoryEstimate(stage, micro_batch, 1, weights / GB, grads / GB, optim / GB, act / GB)
 
 
@@ -104,8 +116,9 @@ def _micro_batches(target: int) -> list[int]:
     return out
 
 
-def choose(n_params: int, cfg: PretrainConfig, seq_len: int,
-           shape: ModelShape | None = None) -> tuple[PretrainConfig, MemoryEstimate]:
+def choose(
+    n_params: int, cfg: PretrainConfig, seq_len: int, shape: ModelShape | None = None
+) -> tuple[PretrainConfig, MemoryEstimate]:
     """The largest micro-batch (at most the requested blocks per step) that fits `memory_budget_gb`,
     at the lowest ZeRO stage that makes it fit; gradient accumulation keeps the global batch.
 
@@ -127,7 +140,8 @@ def choose(n_params: int, cfg: PretrainConfig, seq_len: int,
     raise TrainError(
         f"the model ({n_params / 1e6:.1f}M parameters, sequence {seq_len}) does not fit "
         f"memory_budget_gb={cfg.memory_budget_gb} per worker even at ZeRO-{last_stage} with micro-batch 1 "
-        f"({smallest.describe()}); use a smaller model, more workers, or a larger memory_budget_gb")
+        f"({smallest.describe()}); use a smaller model, more workers, or a larger memory_budget_gb"
+    )
 
 
 def check_fits(n_params: int, cfg: PretrainConfig, seq_len: int, shape: ModelShape | None = None) -> MemoryEstimate:
@@ -136,5 +150,6 @@ def check_fits(n_params: int, cfg: PretrainConfig, seq_len: int, shape: ModelSha
     if est.total_gb > cfg.memory_budget_gb:
         raise TrainError(
             f"this config needs {est.describe()} but memory_budget_gb={cfg.memory_budget_gb}; lower micro_batch "
-            "(and raise grad_accum), raise zero_stage, or set strategy='auto'")
+            "(and raise grad_accum), raise zero_stage, or set strategy='auto'"
+        )
     return est

@@ -1,6 +1,6 @@
 """Synthetic token shards in the raypai.data format, for tests, benchmarks and fault drills.
 
-    python -c "from raypai.train.synthetic import write_token_shards; write_token_shards('shards/')"
+python -c "from raypai.train.synthetic import write_token_shards; write_token_shards('shards/')"
 """
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ from raypai.token_shards import ShardFile, TokenShardsManifest
 from raypai.train.data import write_shard
 
 
-def write_token_shards(folder: str | Path, *, vocab: int = 64, block: int = 32, blocks: int = 256,
-                       eval_fraction: float = 0.125, noise: float = 0.1, seed: int = 0,
-                       shard_blocks: int = 1 << 16) -> dict:
+def write_token_shards(
+    folder: str | Path,
+    *,
+    vocab: int = 64,
+    block: int = 32,
+    blocks: int = 256,
+    eval_fraction: float = 0.125,
+    noise: float = 0.1,
+    seed: int = 0,
+    shard_blocks: int = 1 << 16,
+) -> dict:
     """A noisy deterministic "language": the next token is (3·t + 1) mod V with probability
     1 − noise, else uniform. Its unigram entropy is ≈ log V, but a model that learns the rule reaches
     about noise·log V + H(noise) nats. Blocks 0 … n_eval − 1 are the eval split. Written
@@ -44,9 +52,16 @@ def write_token_shards(folder: str | Path, *, vocab: int = 64, block: int = 32, 
             files[split].append(ShardFile(name, split, int(keep.sum())))
         counts += np.bincount(seqs[ids >= n_eval].reshape(-1), minlength=vocab)
     p = counts[counts > 0] / counts.sum()
-    manifest = TokenShardsManifest(block_size=block, vocab_size=vocab, files=(*files["train"], *files["eval"]),
-                                   num_blocks=blocks - n_eval, num_eval_blocks=n_eval,
-                                   num_tokens=(blocks - n_eval) * block, eos_id=0, tokenizer_digest="synthetic",
-                                   unigram_entropy_nats=float(-(p * np.log(p)).sum()))
+    manifest = TokenShardsManifest(
+        block_size=block,
+        vocab_size=vocab,
+        files=(*files["train"], *files["eval"]),
+        num_blocks=blocks - n_eval,
+        num_eval_blocks=n_eval,
+        num_tokens=(blocks - n_eval) * block,
+        eos_id=0,
+        tokenizer_digest="synthetic",
+        unigram_entropy_nats=float(-(p * np.log(p)).sum()),
+    )
     manifest.write(folder)
     return manifest.to_dict()

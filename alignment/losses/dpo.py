@@ -55,8 +55,15 @@ def _hinge(h, beta, label_smoothing):
 DPO_LOSSES = {"sigmoid": _sigmoid, "ipo": _ipo, "hinge": _hinge}
 
 
-def dpo_loss(policy: ChosenRejected, ref: ChosenRejected, *, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0, lengths: ChosenRejected | None = None) -> DPOOutput:
+def dpo_loss(
+    policy: ChosenRejected,
+    ref: ChosenRejected,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    lengths: ChosenRejected | None = None,
+) -> DPOOutput:
     """`lengths`: response token counts (B,) of chosen and rejected; required by IPO."""
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"unknown DPO loss {loss_type!r}; choose one of {', '.join(DPO_LOSSES)}")
@@ -67,5 +74,6 @@ def dpo_loss(policy: ChosenRejected, ref: ChosenRejected, *, beta: float = 0.1, 
     else:
         h = (policy.chosen - policy.rejected) - (ref.chosen - ref.rejected)
     losses = DPO_LOSSES[loss_type](h, beta, label_smoothing)
-    return DPOOutput(losses.mean(), beta * (policy.chosen - ref.chosen).detach(),
-                     beta * (policy.rejected - ref.rejected).detach())
+    return DPOOutput(
+        losses.mean(), beta * (policy.chosen - ref.chosen).detach(), beta * (policy.rejected - ref.rejected).detach()
+    )

@@ -50,18 +50,28 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: i
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
-              mask: torch.Tensor, *, clip_eps: float = 0.2, clip_eps_high: float | None = None, beta: float = 0.0,
-              aggregation: str = "grpo", max_len: int | None = None) -> tuple[torch.Tensor, dict]:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    beta: float = 0.0,
+    aggregation: str = "grpo",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict]:
     """logp/old_logp/ref_logp/mask: (B, T) over completion tokens; advantages: (B,).
     Returns (scalar loss, {"clip_fraction", "kl"}) — the stats as detached 0-d tensors on the inputs'
     device (no host sync here; the caller turns them into floats for logging)."""
-    per_token, clipped = clipped_surrogate(logp, old_logp, advantages.unsqueeze(1), clip_eps=clip_eps,
-                                           clip_eps_high=clip_eps_high)  # (B, 1) advantage for every token
+    per_token, clipped = clipped_surrogate(
+        logp, old_logp, advantages.unsqueeze(1), clip_eps=clip_eps, clip_eps_high=clip_eps_high
+    )  # (B, 1) advantage for every token
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     if beta:
         per_token = per_token + beta * kl
     loss = aggregate(per_token, mask, aggregation, max_len)
-    stats = {"clip_fraction": masked_mean(clipped.to(logp.dtype), mask).detach(),
-             "kl": masked_mean(kl.detach(), mask)}
+    stats = {"clip_fraction": masked_mean(clipped.to(logp.dtype), mask).detach(), "kl": masked_mean(kl.detach(), mask)}
     return loss, stats

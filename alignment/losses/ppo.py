@@ -7,8 +7,14 @@ from __future__ import annotations
 import torch
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *, clip_eps: float = 0.2,
-                      clip_eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss −min(ρ·Â, clip(ρ, 1−ε, 1+ε_high)·Â), ρ = exp(logp − old_logp)
     (Schulman et al. 2017, eq. 7; the asymmetric ε_high is DAPO's clip-higher, Yu et al. 2025 §3.1).
     `advantages` broadcasts: (B, 1) for one advantage per sequence, (B, T) per token.
@@ -33,8 +39,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
-def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-                         kl_coef: float) -> torch.Tensor:
+def kl_penalized_rewards(
+    score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
     """Per-token rewards (B, T): −β·(logπ − logπ_ref) at every completion token (the k1 KL
     estimate), plus the sequence score (B,) at its last token (Stiennon et al. 2020, eq. 2;
     Ouyang et al. 2022, eq. 2)."""
@@ -44,8 +51,9 @@ def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torc
     return rewards
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16):
     δ_t = r_t + γ·V_{t+1} − V_t,  Â_t = δ_t + γλ·Â_{t+1}; returns R_t = Â_t + V_t.
     V after the last completion token is 0 (the episode ends). Returns (advantages, returns), (B, T)."""
@@ -62,8 +70,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float = 0.2) -> torch.Tensor:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float = 0.2
+) -> torch.Tensor:
     """½·max((V − R)², (V_old + clip(V − V_old, ±c) − R)²), token-mean over the mask (the value
     clipping of OpenAI baselines' PPO2, used by InstructGPT-style RLHF)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
@@ -71,8 +80,17 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return masked_mean(loss, mask)
 
 
-def ppo_targets(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, values: torch.Tensor,
-                mask: torch.Tensor, *, kl_coef: float, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_targets(
+    score: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A PPO step's (whitened advantages, returns), both (B, T): the KL-penalised token rewards
     (`kl_penalized_rewards`) through GAE (`gae`), the advantages whitened over the completion tokens
     (`masked_whiten`). Deterministic, so the policy and the critic each compute it from the same inputs."""

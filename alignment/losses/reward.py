@@ -1,5 +1,5 @@
 """Reward-model loss (Bradley–Terry; Ouyang et al. 2022 eq. 1, margin as in Llama 2 §3.2.2):
-    L = −log σ(r_w − r_l − m)."""
+L = −log σ(r_w − r_l − m)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Critic": "critic", "PolicyTrainer": "policy", "Reference": "reference", "Reward": "reward",
-            "Rollout": "rollout"}
+_EXPORTS = {
+    "Critic": "critic",
+    "PolicyTrainer": "policy",
+    "Reference": "reference",
+    "Reward": "reward",
+    "Rollout": "rollout",
+}
 __all__ = list(_EXPORTS)
 
 

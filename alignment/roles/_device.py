@@ -24,9 +24,14 @@ def role_device(device: str, role: str) -> torch.device:
         raise ConfigError([f"role {role!r}: device {device!r} is not 'cpu' or 'cuda'"], what="role device")
     if device == "cuda" and not torch.cuda.is_available():
         seen = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise ConfigError([f"role {role!r} was placed with a GPU, but torch in its actor sees no CUDA device "
-                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={seen}): install a CUDA build of "
-                           "torch on the GPU nodes, or run the roles on CPUs (gpus=0)"], what="role device")
+        raise ConfigError(
+            [
+                f"role {role!r} was placed with a GPU, but torch in its actor sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={seen}): install a CUDA build of "
+                "torch on the GPU nodes, or run the roles on CPUs (gpus=0)"
+            ],
+            what="role device",
+        )
     return torch.device(device)
 
 

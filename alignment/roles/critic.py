@@ -13,8 +13,9 @@ from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step a
 
 
 class Critic(Sleeps):
-    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
-                 device: str = "cpu"):
+    def __init__(
+        self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1, device: str = "cpu"
+    ):
         """`device`: "cpu" or "cuda" (fp32 weights, bf16 autocast, as the policy trainer)."""
         from transformers import AutoModelForTokenClassification, AutoTokenizer
 
@@ -51,8 +52,17 @@ class Critic(Sleeps):
 
         return self.values(handed_over(sampled, outs))
 
-    def train_step_on(self, scores: dict, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor,
-                      sampled: dict, *outs: dict, targets: dict, clip: float) -> dict:
+    def train_step_on(
+        self,
+        scores: dict,
+        old_lp: torch.Tensor,
+        ref_lp: torch.Tensor,
+        values: torch.Tensor,
+        sampled: dict,
+        *outs: dict,
+        targets: dict,
+        clip: float,
+    ) -> dict:
         """`train_step` on a generation as Ray hands it over, its returns computed here from the same
         inputs as the policy's advantages (`losses.ppo_targets`; `targets`: kl_coef, gamma, lam)."""
         from raypai.alignment._loop import handed_over, to_tensor

@@ -9,10 +9,23 @@ from pathlib import Path
 
 import torch
 
-from raypai.alignment._tensors import (cpu_threads, select_rows, sequence_logprob, stack_right_padded, to_device,
-                                      token_logprobs)
-from raypai.alignment.losses import (ChosenRejected, clipped_surrogate, dpo_loss, grpo_advantages, grpo_loss,
-                                     masked_mean, ppo_targets)
+from raypai.alignment._tensors import (
+    cpu_threads,
+    select_rows,
+    sequence_logprob,
+    stack_right_padded,
+    to_device,
+    token_logprobs,
+)
+from raypai.alignment.losses import (
+    ChosenRejected,
+    clipped_surrogate,
+    dpo_loss,
+    grpo_advantages,
+    grpo_loss,
+    masked_mean,
+    ppo_targets,
+)
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
 from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step, without_dropout
 
@@ -28,8 +41,18 @@ TRAIN_FLOPS_PER_THREAD = 2.5e9
 
 
 class PolicyTrainer(Sleeps):
-    def __init__(self, model_dir: str, lr: float, zero_stage: int = 0, seed: int = 0, threads: int = 1,
-                 live_weights: bool = False, device: str = "cpu", sync_dtype: str | None = None, dropout: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        lr: float,
+        zero_stage: int = 0,
+        seed: int = 0,
+        threads: int = 1,
+        live_weights: bool = False,
+        device: str = "cpu",
+        sync_dtype: str | None = None,
+        dropout: bool = False,
+    ):
         """`live_weights`: keep the parameters in a shared-memory buffer that same-node rollout
         replicas bind to (raypai.alignment.sync, "live shared parameters"); only for loops in which
         no replica samples while this trainer updates (the synchronous ones), only at ZeRO
@@ -123,8 +146,16 @@ class PolicyTrainer(Sleeps):
         out["grad_norm"] = self._update(loss)
         return out
 
-    def dpo_step(self, chosen: dict, rejected: dict, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                 beta: float, loss_type: str, label_smoothing: float) -> dict:
+    def dpo_step(
+        self,
+        chosen: dict,
+        rejected: dict,
+        ref_chosen: torch.Tensor,
+        ref_rejected: torch.Tensor,
+        beta: float,
+        loss_type: str,
+        label_smoothing: float,
+    ) -> dict:
         set_mode(self.engine, True)
         chosen, rejected = to_device(chosen, self.device), to_device(rejected, self.device)
         ref_chosen, ref_rejected = maybe(ref_chosen, self.device), maybe(ref_rejected, self.device)
@@ -136,13 +167,31 @@ class PolicyTrainer(Sleeps):
         n = chosen["input_ids"].shape[0]
         pol = ChosenRejected(seq[:n], seq[n:])
         lengths = ChosenRejected(chosen["response_mask"].sum(1), rejected["response_mask"].sum(1))
-        out = dpo_loss(pol, ChosenRejected(ref_chosen, ref_rejected), beta=beta, loss_type=loss_type,
-                       label_smoothing=label_smoothing, lengths=lengths)
-        return {"loss": out.loss.item(), "accuracy": out.accuracy, "margin": out.margin,
-                "grad_norm": self._update(out.loss)}
+        out = dpo_loss(
+            pol,
+            ChosenRejected(ref_chosen, ref_rejected),
+            beta=beta,
+            loss_type=loss_type,
+            label_smoothing=label_smoothing,
+            lengths=lengths,
+        )
+        return {
+            "loss": out.loss.item(),
+            "accuracy": out.accuracy,
+            "margin": out.margin,
+            "grad_norm": self._update(out.loss),
+        }
 
-    def online_dpo_step_on(self, scores: dict, ref: tuple | None, sampled: dict, *outs: dict, beta: float,
-                           loss_type: str, label_smoothing: float) -> dict:
+    def online_dpo_step_on(
+        self,
+        scores: dict,
+        ref: tuple | None,
+        sampled: dict,
+        *outs: dict,
+        beta: float,
+        loss_type: str,
+        label_smoothing: float,
+    ) -> dict:
         """`dpo_step` on online DPO's pairs of a generation as Ray hands it over (`_loop.ranked_pairs`
         of the rollout's `outs` and the Reward actor's `scores`; `ref`, the Reference's log-probs of
         the same pairs, `Reference.pair_logprobs_on`); no update when every group ties. Adds `pairs`."""
@@ -163,17 +212,33 @@ class PolicyTrainer(Sleeps):
         """`dpo_step` on rows `idx` of the pairs given to `hold_pairs`."""
         chosen, rejected, ref_chosen, ref_rejected = self._pairs
         idx = torch.as_tensor(idx)
-        return self.dpo_step(select_rows(chosen, idx), select_rows(rejected, idx), ref_chosen[idx],
-                             ref_rejected[idx], beta, loss_type, label_smoothing)
+        return self.dpo_step(
+            select_rows(chosen, idx),
+            select_rows(rejected, idx),
+            ref_chosen[idx],
+            ref_rejected[idx],
+            beta,
+            loss_type,
+            label_smoothing,
+        )
 
     def dpo_steps_held(self, idx: list[list[int]], beta: float, loss_type: str, label_smoothing: float) -> list[dict]:
         """`dpo_step_held` once per list of rows in `idx`, in order, in one call (a call's own cost
         in Ray, ≈ 2 ms, is then paid once for several small steps); each step's metrics."""
         return [self.dpo_step_held(i, beta, loss_type, label_smoothing) for i in idx]
 
-    def grpo_step(self, batch: dict, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, advantages: torch.Tensor,
-                  clip_eps: float, clip_eps_high: float | None, beta: float, aggregation: str,
-                  max_len: int | None = None) -> dict:
+    def grpo_step(
+        self,
+        batch: dict,
+        old_lp: torch.Tensor | None,
+        ref_lp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        clip_eps: float,
+        clip_eps_high: float | None,
+        beta: float,
+        aggregation: str,
+        max_len: int | None = None,
+    ) -> dict:
         """One update; `update_seconds`: its own time in this actor (the driver may wait less, or more)."""
         t0 = time.perf_counter()
         set_mode(self.engine, True)
@@ -185,16 +250,37 @@ class PolicyTrainer(Sleeps):
         lp = self._lp(batch, m)
         # μ = 1: ratio 1, the gradient is the policy gradient
         old_lp, ref_lp = lp.detach() if old_lp is None else self._on(m, old_lp), self._on(m, ref_lp)
-        loss, stats = grpo_loss(lp, old_lp, ref_lp, advantages, batch["response_mask"], clip_eps=clip_eps,
-                                clip_eps_high=clip_eps_high, beta=beta, aggregation=aggregation, max_len=max_len)
+        loss, stats = grpo_loss(
+            lp,
+            old_lp,
+            ref_lp,
+            advantages,
+            batch["response_mask"],
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            beta=beta,
+            aggregation=aggregation,
+            max_len=max_len,
+        )
         # −mean log π of the sampled tokens: a Monte-Carlo estimate of the per-token entropy
         entropy = -masked_mean(lp.detach(), batch["response_mask"]).item()
-        out = {"loss": loss.item(), "grad_norm": self._update(loss), "entropy": entropy, "policy_version": version,
-               **{k: v.item() for k, v in stats.items()}}
+        out = {
+            "loss": loss.item(),
+            "grad_norm": self._update(loss),
+            "entropy": entropy,
+            "policy_version": version,
+            **{k: v.item() for k, v in stats.items()},
+        }
         return {**out, "update_seconds": time.perf_counter() - t0}
 
-    def grpo_step_on(self, scores: dict, sampled: dict, *outs: dict, old_lp: torch.Tensor | None = None,
-                     ref_lp: torch.Tensor | None = None) -> dict:
+    def grpo_step_on(
+        self,
+        scores: dict,
+        sampled: dict,
+        *outs: dict,
+        old_lp: torch.Tensor | None = None,
+        ref_lp: torch.Tensor | None = None,
+    ) -> dict:
         """`grpo_step` on a generation as Ray hands it over, with no round trip through the driver:
         `outs`, the rollout replicas' outputs (`Rollout.generate`), padded here into the batch in the
         samples' order; the advantages from the Reward actor's `scores` of them. `sampled`:
@@ -214,11 +300,24 @@ class PolicyTrainer(Sleeps):
         lp = self._lp(batch, m)
         per_token, clipped = clipped_surrogate(lp, self._on(m, old_lp), advantages, clip_eps=clip_eps)
         loss = masked_mean(per_token, m)
-        return {"policy_loss": loss.item(), "clip_fraction": masked_mean(clipped.float(), m).item(),
-                "entropy": -masked_mean(lp.detach(), m).item(), "grad_norm": self._update(loss)}
+        return {
+            "policy_loss": loss.item(),
+            "clip_fraction": masked_mean(clipped.float(), m).item(),
+            "entropy": -masked_mean(lp.detach(), m).item(),
+            "grad_norm": self._update(loss),
+        }
 
-    def ppo_step_on(self, scores: dict, old_lp: torch.Tensor, ref_lp: torch.Tensor, values: torch.Tensor,
-                    sampled: dict, *outs: dict, targets: dict, clip_eps: float) -> dict:
+    def ppo_step_on(
+        self,
+        scores: dict,
+        old_lp: torch.Tensor,
+        ref_lp: torch.Tensor,
+        values: torch.Tensor,
+        sampled: dict,
+        *outs: dict,
+        targets: dict,
+        clip_eps: float,
+    ) -> dict:
         """`ppo_step` on a generation as Ray hands it over (`_loop.handed_over`), its advantages
         computed here (`losses.ppo_targets` of the Reward actor's `scores`, the rollout's and the
         reference's log-probs and the critic's values; `targets`: kl_coef, gamma, lam)."""

@@ -15,8 +15,9 @@ class Reference:
 
         torch.set_num_threads(threads)
         self.device = role_device(device, "reference")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device,
-                                                                         inference_dtype(self.device, dtype)).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir).to(self.device, inference_dtype(self.device, dtype)).eval()
+        )
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:

@@ -28,8 +28,12 @@ class RewardModelScorer:
     def forward(self, prompts, completions):
         from raypai.alignment._tensors import pad
 
-        seqs, masks = zip(*(self.fmt.encode(p, as_completion(p, c) if isinstance(c, str) else c)
-                            for p, c in zip(prompts, completions)))
+        seqs, masks = zip(
+            *(
+                self.fmt.encode(p, as_completion(p, c) if isinstance(c, str) else c)
+                for p, c in zip(prompts, completions)
+            )
+        )
         b = pad(list(seqs), list(masks), self.fmt.tok.pad_token_id)
         return self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, 0]
 
@@ -41,8 +45,13 @@ class RewardModelScorer:
 
 
 class Reward:
-    def __init__(self, functions: list[tuple[object, float]] | None = None, model_dir: str | None = None,
-                 model_weight: float = 1.0, threads: int = 1):
+    def __init__(
+        self,
+        functions: list[tuple[object, float]] | None = None,
+        model_dir: str | None = None,
+        model_weight: float = 1.0,
+        threads: int = 1,
+    ):
         self.threads = threads
         self.functions = list(functions or [])
         self.model_weight = model_weight
@@ -74,12 +83,16 @@ class Reward:
             try:
                 out = fn(prompts, comps, **rows)
             except Exception as exc:  # the user's function: name it, say what it was given
-                shape = ("lists of messages ([{'role': 'assistant', 'content': ...}]; the text is "
-                         "completion[0]['content'])" if comps and not isinstance(comps[0], str) else "strings")
+                shape = (
+                    "lists of messages ([{'role': 'assistant', 'content': ...}]; the text is completion[0]['content'])"
+                    if comps and not isinstance(comps[0], str)
+                    else "strings"
+                )
                 raise RewardError(
                     f"reward {name_of(fn)} raised {type(exc).__name__}: {exc}. It was called as fn(prompts, "
                     f"completions, **columns) with {len(comps)} completions as {shape} and the dataset's extra "
-                    f"columns {sorted(rows) or 'none'} as keyword lists (TRL's reward-function convention)") from exc
+                    f"columns {sorted(rows) or 'none'} as keyword lists (TRL's reward-function convention)"
+                ) from exc
             vals = check_output(fn, out, prompts, completions)
             parts[name_of(fn)] = vals
             total = [t + w * v for t, v in zip(total, vals)]

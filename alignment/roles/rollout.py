@@ -20,8 +20,17 @@ from raypai.errors import ConfigError
 
 
 class Rollout:
-    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1, engine: str = "raypai", device: str = "cpu",
-                 dtype: str | None = None, compiled: bool = False, gpu_share: float = 0.5):
+    def __init__(
+        self,
+        model_dir: str,
+        seed: int = 0,
+        threads: int = 1,
+        engine: str = "raypai",
+        device: str = "cpu",
+        dtype: str | None = None,
+        compiled: bool = False,
+        gpu_share: float = 0.5,
+    ):
         """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU).
         On CUDA the raypai engine replays its decoding step as a CUDA graph; `compiled`: on the CPU it
         runs the step through `torch.compile` (`_decode`). `gpu_share`: the GPU memory vLLM may hold
@@ -46,8 +55,13 @@ class Rollout:
             # vLLM holds the device; the HF model stays on the CPU as the weights' staging copy, in the
             # replica's dtype (so its shared-memory layout is the one a GPU trainer writes: bf16)
             self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(dtype=dtype).eval()
-            self.vllm = VllmEngine(model_dir, device=self.device, dtype=dtype, gpu_share=gpu_share,
-                                   max_model_len=self.model.config.max_position_embeddings)
+            self.vllm = VllmEngine(
+                model_dir,
+                device=self.device,
+                dtype=dtype,
+                gpu_share=gpu_share,
+                max_model_len=self.model.config.max_position_embeddings,
+            )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device, dtype).eval()
         self.version = 0  # update count of the weights loaded (0 = the starting folder)
@@ -73,8 +87,10 @@ class Rollout:
 
         path, version, live = written
         if live and self.vllm is not None:
-            raise RuntimeError("a vLLM rollout keeps its own copy of the weights and cannot read the trainer's "
-                               "parameters in place: the trainer must not be made with live_weights for it")
+            raise RuntimeError(
+                "a vLLM rollout keeps its own copy of the weights and cannot read the trainer's "
+                "parameters in place: the trainer must not be made with live_weights for it"
+            )
         if self._shared is None or self._shared.path != path:  # the first sync from this buffer: map it
             state = dict(self.model.named_parameters()) if live else self.model.state_dict()
             self._shared = SharedWeights(path, state, create=False)
@@ -98,8 +114,17 @@ class Rollout:
         return ray.get_runtime_context().get_node_id()
 
     @torch.no_grad()
-    def generate(self, prompts: list, *, n: int = 1, max_new_tokens: int = 8, temperature: float = 1.0,
-                 top_p: float = 1.0, stop: tuple[str, ...] = (), logprobs: bool = False) -> dict:
+    def generate(
+        self,
+        prompts: list,
+        *,
+        n: int = 1,
+        max_new_tokens: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: tuple[str, ...] = (),
+        logprobs: bool = False,
+    ) -> dict:
         """n samples per prompt, grouped prompt by prompt; temperature 0 is greedy. Generation stops
         at the tokenizer's stop tokens or any token in `stop`; the stop token stays in the completion's
         ids (the policy learns to stop) but not in its text. Returns completion texts, token ids
@@ -123,13 +148,22 @@ class Rollout:
 
     def _generate(self, prompt_ids, stops, max_new_tokens, temperature, top_p, logprobs) -> dict:
         if self.engine == "raypai":
-            d = decode(self.model, prompt_ids, pad_id=self.tok.pad_token_id, stop_ids=stops,
-                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs,
-                       compiled=self.compiled)
+            d = decode(
+                self.model,
+                prompt_ids,
+                pad_id=self.tok.pad_token_id,
+                stop_ids=stops,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=logprobs,
+                compiled=self.compiled,
+            )
             comps, sampled_lp, stopped = d.tokens, d.logprobs, d.stopped
         elif self.engine == "vllm":
-            comps, sampled_lp, stopped = self.vllm.generate(prompt_ids, stops, max_new_tokens, temperature, top_p,
-                                                            logprobs)
+            comps, sampled_lp, stopped = self.vllm.generate(
+                prompt_ids, stops, max_new_tokens, temperature, top_p, logprobs
+            )
         else:
             comps, stopped = self._hf_generate(prompt_ids, stops, max_new_tokens, temperature, top_p)
             sampled_lp = None
@@ -137,12 +171,18 @@ class Rollout:
         masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompt_ids, comps)]
         completions = [self.tok.decode([t for t in c if t not in stops], skip_special_tokens=True) for c in comps]
         batch = pad(seqs, masks, self.tok.pad_token_id)
-        out = {"completions": completions, "batch": batch, "seqs": seqs, "masks": masks,
-               "stopped_fraction": stopped / max(1, len(seqs)), "weights_version": self.version}
+        out = {
+            "completions": completions,
+            "batch": batch,
+            "seqs": seqs,
+            "masks": masks,
+            "stopped_fraction": stopped / max(1, len(seqs)),
+            "weights_version": self.version,
+        }
         if logprobs and sampled_lp is not None:  # label position of completion token j: len(prompt) − 1 + j
             lp = torch.zeros(batch["response_mask"].shape)
             for i, (p, row) in enumerate(zip(prompt_ids, sampled_lp)):
-                lp[i, len(p) - 1:len(p) - 1 + len(row)] = row
+                lp[i, len(p) - 1 : len(p) - 1 + len(row)] = row
             out["logprobs"] = lp
         elif logprobs:
             out["logprobs"] = self.logprobs(batch)
@@ -155,10 +195,17 @@ class Rollout:
         ids, att = left_pad(prompt_ids, self.tok.pad_token_id, self.model.device)
         enc = {"input_ids": ids, "attention_mask": att}
         greedy = temperature == 0
-        out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                                  temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-                                  top_k=None if greedy else 0, eos_token_id=stops, pad_token_id=self.tok.pad_token_id,
-                                  use_cache=True)
+        out = self.model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_p=None if greedy else top_p,
+            top_k=None if greedy else 0,
+            eos_token_id=stops,
+            pad_token_id=self.tok.pad_token_id,
+            use_cache=True,
+        )
         P = enc["input_ids"].shape[1]  # left padding: every completion starts at column P
         comps, stopped = [], 0
         for i in range(len(prompt_ids)):
@@ -176,14 +223,21 @@ class Rollout:
         vocab = self.tok.get_vocab()  # a dict of the whole vocabulary: only when there are extra stops
         bad = [s for s in stop if s not in vocab]
         if bad:
-            raise ConfigError([f"stop token {s!r} is not a single token of this tokenizer; use one of its special "
-                               f"tokens ({', '.join(self.tok.all_special_tokens[:8])}) or one vocabulary entry"
-                               for s in bad], what="rollout stop tokens")
+            raise ConfigError(
+                [
+                    f"stop token {s!r} is not a single token of this tokenizer; use one of its special "
+                    f"tokens ({', '.join(self.tok.all_special_tokens[:8])}) or one vocabulary entry"
+                    for s in bad
+                ],
+                what="rollout stop tokens",
+            )
         return [vocab[s] for s in stop]
 
     def rng_state(self):
         """The generators sampling draws from: the CPU's, and on CUDA the device's as well."""
-        return torch.get_rng_state() if self.device.type == "cpu" else [torch.get_rng_state(), torch.cuda.get_rng_state()]
+        return (
+            torch.get_rng_state() if self.device.type == "cpu" else [torch.get_rng_state(), torch.cuda.get_rng_state()]
+        )
 
     def set_rng_state(self, state) -> None:
         if isinstance(state, torch.Tensor):

@@ -79,8 +79,13 @@ def preference_rows(items: list[Problem], seed: int = 0, per_problem: int = 2, c
             wrong = max(0, wrong) if wrong != p.answer else wrong + 1
             if wrong == p.answer:
                 wrong += 1
-            rows.append({"prompt": _user(p, chat), "chosen": _assistant(str(p.answer), chat),
-                         "rejected": _assistant(str(wrong), chat)})
+            rows.append(
+                {
+                    "prompt": _user(p, chat),
+                    "chosen": _assistant(str(p.answer), chat),
+                    "rejected": _assistant(str(wrong), chat),
+                }
+            )
     return rows
 
 

@@ -27,9 +27,9 @@ class BatchNgrams:
     (n-1)-gram's, h_n[i] = h_{n-1}[i]·P + id[i+n-1] + 1."""
 
     def __init__(self, ids: np.ndarray, doc_lengths: np.ndarray):
-        self.ids = ids                                               # (W,) all words of the batch
+        self.ids = ids  # (W,) all words of the batch
         self.doc = np.repeat(np.arange(len(doc_lengths)), doc_lengths)  # (W,) document of each word
-        self.ends = np.cumsum(doc_lengths)                           # (D,) one past each doc's last word
+        self.ends = np.cumsum(doc_lengths)  # (D,) one past each doc's last word
         self.starts = self.ends - doc_lengths
         salt = (self.doc.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         with np.errstate(over="ignore"):
@@ -41,7 +41,7 @@ class BatchNgrams:
         sorted global word positions `where` if given."""
         with np.errstate(over="ignore"):
             while self._n < n:
-                self._h = self._h[:-1] * _P + self.ids[self._n:] + np.uint64(1)
+                self._h = self._h[:-1] * _P + self.ids[self._n :] + np.uint64(1)
                 self._n += 1
         pos = np.arange(len(self._h)) if where is None else where[where < len(self._h)]
         pos = pos[pos + n <= self.ends[self.doc[pos]]]

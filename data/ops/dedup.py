@@ -42,12 +42,12 @@ class ExactDedup:
 class Duplicates:
     """The outcome of near-duplicate detection over N documents (row numbers, lowest kept)."""
 
-    keeper: np.ndarray      # (N,) int64: the row kept for each row's cluster (itself when kept)
-    partner: np.ndarray     # (N,) int64: for a dropped row, the row of its best verified pair; -1 otherwise
+    keeper: np.ndarray  # (N,) int64: the row kept for each row's cluster (itself when kept)
+    partner: np.ndarray  # (N,) int64: for a dropped row, the row of its best verified pair; -1 otherwise
     similarity: np.ndarray  # (N,) float: that pair's verified Jaccard (NaN for kept rows)
-    exact: np.ndarray       # (N,) bool: the similarity is the exact shingle Jaccard (else the estimate)
-    candidates: int         # LSH candidate pairs
-    verified: int           # of which passed verification
+    exact: np.ndarray  # (N,) bool: the similarity is the exact shingle Jaccard (else the estimate)
+    candidates: int  # LSH candidate pairs
+    verified: int  # of which passed verification
 
     @property
     def dropped(self) -> np.ndarray:
@@ -78,13 +78,16 @@ class MinHashDedup:
         if not 0 < self.threshold <= 1:
             problems.append(f"threshold must be in (0, 1] (got {self.threshold})")
         if self.ngram < 1 or self.num_perm < 1 or self.fanout < 1:
-            problems.append(f"ngram, num_perm and fanout must be ≥ 1 "
-                            f"(got {self.ngram}, {self.num_perm}, {self.fanout})")
+            problems.append(
+                f"ngram, num_perm and fanout must be ≥ 1 (got {self.ngram}, {self.num_perm}, {self.fanout})"
+            )
         if (self.num_bands > 0) != (self.rows_per_band > 0):
             problems.append("give both num_bands and rows_per_band, or neither (they are then chosen for threshold)")
         elif self.num_bands * self.rows_per_band > self.num_perm:
-            problems.append(f"num_bands × rows_per_band = {self.num_bands * self.rows_per_band} exceeds num_perm "
-                            f"{self.num_perm}; raise num_perm or use fewer bands")
+            problems.append(
+                f"num_bands × rows_per_band = {self.num_bands * self.rows_per_band} exceeds num_perm "
+                f"{self.num_perm}; raise num_perm or use fewer bands"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         if not self.num_bands:
@@ -107,7 +110,7 @@ class MinHashDedup:
         a, b = mh.hash_params(self.num_perm, self.seed)
         out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
         for lo in range(0, len(texts), batch):
-            out[lo:lo + batch] = mh.signatures(*self.shingles(texts[lo:lo + batch]), a, b)
+            out[lo : lo + batch] = mh.signatures(*self.shingles(texts[lo : lo + batch]), a, b)
         return out
 
     def band_keys(self, sigs: np.ndarray) -> np.ndarray:
@@ -124,8 +127,11 @@ class MinHashDedup:
 
         def exact(pairs: np.ndarray) -> np.ndarray:
             rows, local = np.unique(pairs, return_inverse=True)
-            sub = texts.take(pa.array(rows)) if isinstance(texts, pa.Array | pa.ChunkedArray) \
+            sub = (
+                texts.take(pa.array(rows))
+                if isinstance(texts, pa.Array | pa.ChunkedArray)
                 else [texts[i] for i in rows.tolist()]
+            )
             h, off = self.shingles(sub)
             return mh.exact_jaccard(h, off, local.reshape(-1, 2))
 
@@ -139,11 +145,11 @@ class MinHashDedup:
             keeper[i] = uf.find(i)
         # each dropped row's best verified pair (either end of an edge)
         partner, best, ex = np.full(n, -1), np.full(n, np.nan), np.zeros(n, dtype=bool)
-        order = np.argsort(-sim, kind="stable")                  # verified edges, most similar first
+        order = np.argsort(-sim, kind="stable")  # verified edges, most similar first
         for col in (0, 1):
             rows, first = np.unique(edges[order, col], return_index=True)  # each row's best edge at this end
             pick = order[first]
-            better = ~(best[rows] >= sim[pick])                  # unset (NaN) or less similar
+            better = ~(best[rows] >= sim[pick])  # unset (NaN) or less similar
             rows, pick = rows[better], pick[better]
             partner[rows], best[rows], ex[rows] = edges[pick, 1 - col], sim[pick], was_exact[pick]
         kept = keeper == np.arange(n)

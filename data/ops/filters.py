@@ -120,7 +120,7 @@ class CharRepetition:
         h = np.zeros(n, dtype=np.uint64)
         with np.errstate(over="ignore"):
             for i in range(self.rep_len):
-                h = h * np.uint64(1_000_003) + cp[i:i + n]
+                h = h * np.uint64(1_000_003) + cp[i : i + n]
         freqs = np.sort(np.unique(h, return_counts=True)[1])[::-1]  # descending
         top = min(int(len(freqs) ** 0.5), int((freqs > 1).sum()))
         return float(freqs[:top].sum()) / n
@@ -147,7 +147,7 @@ class WordRepetition:
         keys, pos = grams.keys(self.rep_len)
         _, cnt, _ = group(keys)
         doc = grams.doc[pos]
-        total = np.bincount(doc, minlength=len(texts))                       # n-grams per document
+        total = np.bincount(doc, minlength=len(texts))  # n-grams per document
         repeated = np.bincount(doc, weights=cnt > 1, minlength=len(texts))  # ... in repeated n-grams
         return np.divide(repeated, total, out=np.zeros(len(texts)), where=total > 0)
 
@@ -172,8 +172,9 @@ def _dup_parts(parts: list[str]) -> tuple[int, int]:
     return n_dup, chars
 
 
-def _all_dup_chars(pos: np.ndarray, first: np.ndarray, inv: np.ndarray, lengths: list[int], doc: np.ndarray,
-                   n: int, n_docs: int) -> np.ndarray:
+def _all_dup_chars(
+    pos: np.ndarray, first: np.ndarray, inv: np.ndarray, lengths: list[int], doc: np.ndarray, n: int, n_docs: int
+) -> np.ndarray:
     """(D,) characters (spaces excluded) of each document's repeated word n-grams, with datatrove's
     `find_all_duplicate` walk: left to right, an n-gram already seen at an earlier *visited*
     position counts and the walk jumps n words ahead (overlapping repeats count once).
@@ -198,7 +199,7 @@ def _all_dup_chars(pos: np.ndarray, first: np.ndarray, inv: np.ndarray, lengths:
         if q < nxt:
             continue  # inside a skipped window: not visited, not remembered
         g = inv_l[j]
-        for k in order_l[starts_l[g]:starts_l[g + 1]]:
+        for k in order_l[starts_l[g] : starts_l[g + 1]]:
             p = pos_l[k]
             if p >= q:
                 nxt = q + 1  # every earlier occurrence was skipped: this one is remembered instead
@@ -235,8 +236,12 @@ class GopherRepetition:
         n_para, c_para = _dup_parts(paras)
         lines = _LINES.split(t)
         n_line, c_line = _dup_parts(lines)
-        return max(n_para / len(paras) - self.dup_para_frac, c_para / size - self.dup_para_char_frac,
-                   n_line / len(lines) - self.dup_line_frac, c_line / size - self.dup_line_char_frac)
+        return max(
+            n_para / len(paras) - self.dup_para_frac,
+            c_para / size - self.dup_para_char_frac,
+            n_line / len(lines) - self.dup_line_frac,
+            c_line / size - self.dup_line_char_frac,
+        )
 
     def stats(self, texts):
         n_docs = len(texts)
@@ -316,8 +321,13 @@ class GopherQuality:
         fails += len(_STOP.intersection(w.lower().strip(".,;:!?") for w in words)) < self.min_stop_words
         fails += _ratio(t.count("#"), n) > self.max_symbol_word_ratio
         fails += _ratio(t.count("...") + t.count("…"), n) > self.max_symbol_word_ratio
-        fails += _ratio(sum(ln.lstrip().startswith(("•", "-", "*")) for ln in lines), len(lines)) > self.max_bullet_lines_ratio
-        fails += _ratio(sum(ln.rstrip().endswith(("...", "…")) for ln in lines), len(lines)) > self.max_ellipsis_lines_ratio
+        fails += (
+            _ratio(sum(ln.lstrip().startswith(("•", "-", "*")) for ln in lines), len(lines))
+            > self.max_bullet_lines_ratio
+        )
+        fails += (
+            _ratio(sum(ln.rstrip().endswith(("...", "…")) for ln in lines), len(lines)) > self.max_ellipsis_lines_ratio
+        )
         fails += _ratio(sum(any(c.isalpha() for c in w) for w in words), n) < self.min_alpha_words_ratio
         return fails
 

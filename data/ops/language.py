@@ -26,9 +26,19 @@ _SETS = {lang: frozenset(words.split()) for lang, words in _STOPWORDS.items()}
 _WORD = re.compile(r"[^\W\d_]+", re.U)
 _ASCII_LETTERS = bytes(string.ascii_letters, "ascii")
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
-_SCRIPTS = (("LATIN", "latin"), ("CYRILLIC", "ru"), ("GREEK", "el"), ("ARABIC", "ar"), ("HEBREW", "he"),
-            ("CJK", "zh"), ("HIRAGANA", "ja"), ("KATAKANA", "ja"), ("HANGUL", "ko"), ("DEVANAGARI", "hi"),
-            ("THAI", "th"))
+_SCRIPTS = (
+    ("LATIN", "latin"),
+    ("CYRILLIC", "ru"),
+    ("GREEK", "el"),
+    ("ARABIC", "ar"),
+    ("HEBREW", "he"),
+    ("CJK", "zh"),
+    ("HIRAGANA", "ja"),
+    ("KATAKANA", "ja"),
+    ("HANGUL", "ko"),
+    ("DEVANAGARI", "hi"),
+    ("THAI", "th"),
+)
 
 
 @functools.lru_cache(maxsize=65536)

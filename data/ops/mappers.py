@@ -8,11 +8,45 @@ import unicodedata
 from dataclasses import dataclass
 
 # data-juicer `punctuation_normalization_mapper`: fold typographic punctuation to ASCII.
-_PUNCT = str.maketrans({"，": ",", "。": ".", "、": ",", "„": '"', "”": '"', "“": '"', "«": '"', "»": '"',
-                        "１": '"', "」": '"', "「": '"', "《": '"', "》": '"', "´": "'", "∶": ":", "：": ":",
-                        "？": "?", "！": "!", "（": "(", "）": ")", "；": ";", "–": "-", "—": " - ", "．": ".",
-                        "～": "~", "’": "'", "‘": "'", "…": "...", "━": "-", "〈": "<", "〉": ">", "【": "[",
-                        "】": "]", "％": "%", "►": "-"})
+_PUNCT = str.maketrans(
+    {
+        "，": ",",
+        "。": ".",
+        "、": ",",
+        "„": '"',
+        "”": '"',
+        "“": '"',
+        "«": '"',
+        "»": '"',
+        "１": '"',
+        "」": '"',
+        "「": '"',
+        "《": '"',
+        "》": '"',
+        "´": "'",
+        "∶": ":",
+        "：": ":",
+        "？": "?",
+        "！": "!",
+        "（": "(",
+        "）": ")",
+        "；": ";",
+        "–": "-",
+        "—": " - ",
+        "．": ".",
+        "～": "~",
+        "’": "'",
+        "‘": "'",
+        "…": "...",
+        "━": "-",
+        "〈": "<",
+        "〉": ">",
+        "【": "[",
+        "】": "]",
+        "％": "%",
+        "►": "-",
+    }
+)
 _SPACES = " \t\u00a0\u2000-\u200b\u3000"  # a regex class body: space, tab, no-break and odd Unicode spaces
 # Runs that need rewriting only: a lone ordinary space is left alone (rewriting it with itself was
 # most of this op's time), so a run is ≥ 2 characters or starts with an odd space.
@@ -31,8 +65,10 @@ _PHONE = re.compile(r"(?<!\w)(?:\+?\d{1,3}[\s.-]?)?(?:\(\d{2,4}\)|\d{2,4})[\s.-]
 # the small print around them); generic web boilerplate lines as in datatrove's FineWeb line filters.
 _GUTENBERG_START = re.compile(r"\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*?\*\*\*", re.I | re.S)
 _GUTENBERG_END = re.compile(r"\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*", re.I | re.S)
-_BOILER_WORDS = (r"project gutenberg|all rights reserved|terms of use|privacy policy|cookie policy|subscribe to our"
-                 r" newsletter|click here|javascript is disabled|this ebook is for the use of anyone")
+_BOILER_WORDS = (
+    r"project gutenberg|all rights reserved|terms of use|privacy policy|cookie policy|subscribe to our"
+    r" newsletter|click here|javascript is disabled|this ebook is for the use of anyone"
+)
 _BOILER_PHRASES = tuple(_BOILER_WORDS.split("|"))
 _BOILER_LINES = re.compile(rf"^(.*({_BOILER_WORDS}).*)$", re.I | re.M)
 
@@ -59,8 +95,8 @@ class WhitespaceNormalize:
         for t in texts:
             if "\r" in t:
                 t = t.replace("\r\n", "\n")
-            t = _WS.sub(" ", t)           # whole text at once: runs → one space
-            t = _LINE_EDGE.sub("\n", t)   # ... then no space at either end of a line
+            t = _WS.sub(" ", t)  # whole text at once: runs → one space
+            t = _LINE_EDGE.sub("\n", t)  # ... then no space at either end of a line
             if "\n\n\n" in t:
                 t = _BLANKS.sub("\n\n", t)
             out.append(t.strip())
@@ -89,7 +125,7 @@ class BoilerplateStrip:
             if "***" in t:
                 m = _GUTENBERG_START.search(t)
                 if m:
-                    t = t[m.end():]
+                    t = t[m.end() :]
                 t = _GUTENBERG_END.sub("", t)
             low = t.lower()
             if any(p in low for p in _BOILER_PHRASES):  # substring scans first; the line regex backtracks

@@ -31,13 +31,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 _NON_WORD = r"[^\p{L}\p{N}_\s]+"
-_P = np.uint64(0x100000001B3)        # odd multiplier of the polynomial n-gram fold (the 64-bit FNV prime)
+_P = np.uint64(0x100000001B3)  # odd multiplier of the polynomial n-gram fold (the 64-bit FNV prime)
 _MASK32 = np.uint64(0xFFFFFFFF)
 
 
 def lsh_probability(s: float, bands: int, rows: int) -> float:
     """P(two documents of Jaccard s share ≥ 1 of `bands` bands of `rows` rows) = 1 − (1 − s^r)^b (MMDS §3.4.2)."""
-    return 1.0 - (1.0 - s ** rows) ** bands
+    return 1.0 - (1.0 - s**rows) ** bands
 
 
 def choose_bands(threshold: float, num_perm: int, target: float = 0.99) -> tuple[int, int]:
@@ -48,14 +48,15 @@ def choose_bands(threshold: float, num_perm: int, target: float = 0.99) -> tuple
         bands = num_perm // rows
         if lsh_probability(threshold, bands, rows) >= target:
             return bands, rows
-    raise ValueError(f"no banding of {num_perm} hashes reaches LSH recall {target} at Jaccard {threshold}; "
-                     "raise num_perm")
+    raise ValueError(
+        f"no banding of {num_perm} hashes reaches LSH recall {target} at Jaccard {threshold}; raise num_perm"
+    )
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + c) for each (s, c), vectorised."""
     total = int(counts.sum())
-    first = np.cumsum(counts) - counts                       # where each range begins in the output
+    first = np.cumsum(counts) - counts  # where each range begins in the output
     return np.repeat(starts - first, counts) + np.arange(total)
 
 
@@ -63,8 +64,11 @@ def _word_hashes(words: pa.Array) -> np.ndarray:
     """(W,) uint64: a 64-bit BLAKE2b hash per word occurrence, computed once per distinct word."""
     enc = pc.dictionary_encode(words)
     uniq = enc.dictionary.to_pylist()
-    table = np.fromiter((int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in uniq),
-                        dtype=np.uint64, count=len(uniq))
+    table = np.fromiter(
+        (int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in uniq),
+        dtype=np.uint64,
+        count=len(uniq),
+    )
     return table[enc.indices.to_numpy(zero_copy_only=False)]
 
 
@@ -77,10 +81,10 @@ def shingle_hashes(texts: list[str] | pa.Array, n: int) -> tuple[np.ndarray, np.
     arr = arr.cast(pa.large_string())
     spaced = pc.utf8_trim_whitespace(pc.replace_substring_regex(pc.utf8_lower(arr), _NON_WORD, " "))
     words = pc.utf8_split_whitespace(spaced)
-    woff = words.offsets.to_numpy().astype(np.int64)         # (N+1,) first word of each document
+    woff = words.offsets.to_numpy().astype(np.int64)  # (N+1,) first word of each document
     values = words.values
     nonempty = pc.greater(pc.utf8_length(values), 0).to_numpy(zero_copy_only=False)
-    if not nonempty.all():                                   # a text without words splits into [""]
+    if not nonempty.all():  # a text without words splits into [""]
         woff = np.concatenate([[0], np.cumsum(nonempty)])[woff]
         values = values.filter(pa.array(nonempty))
     lens, starts = np.diff(woff), woff[:-1]
@@ -92,9 +96,9 @@ def shingle_hashes(texts: list[str] | pa.Array, n: int) -> tuple[np.ndarray, np.
     with np.errstate(over="ignore"):
         for k in range(1, n + 1):
             if k > 1:
-                h = h[:-1] * _P + ids[k - 1:]                # h[i] = hash of words i .. i+k-1
+                h = h[:-1] * _P + ids[k - 1 :]  # h[i] = hash of words i .. i+k-1
             short = np.flatnonzero(lens == k) if k < n else np.zeros(0, np.int64)
-            out[offsets[short]] = h[starts[short]]           # a k-word text (k < n) is one shingle
+            out[offsets[short]] = h[starts[short]]  # a k-word text (k < n) is one shingle
     long = np.flatnonzero(lens >= n)
     if len(long):
         out[_ranges(offsets[long], count[long])] = h[_ranges(starts[long], count[long])]
@@ -109,14 +113,13 @@ def hash_params(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def signatures(hashes: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray,
-               chunk: int = 4096) -> np.ndarray:
+def signatures(hashes: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray, chunk: int = 4096) -> np.ndarray:
     """(N, num_perm) uint32 MinHash signatures of the documents `offsets` delimits in `hashes`;
     a document without shingles gets all-ones (it never becomes a candidate: see `candidate_pairs`).
     `chunk` bounds the shingles hashed at once (memory num_perm × chunk × 8 bytes: 4 MiB at 128)."""
     n_docs = len(offsets) - 1
     out = np.full((n_docs, len(a)), np.iinfo(np.uint32).max, dtype=np.uint32)
-    x = (hashes ^ (hashes >> np.uint64(32))) & _MASK32       # (S,) 32-bit keys: fold both halves
+    x = (hashes ^ (hashes >> np.uint64(32))) & _MASK32  # (S,) 32-bit keys: fold both halves
     docs = np.flatnonzero(np.diff(offsets) > 0)
     ends = offsets[docs + 1]
     buf = np.empty((len(a), chunk), dtype=np.uint64)
@@ -126,9 +129,9 @@ def signatures(hashes: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.nda
         j = max(i + 1, int(np.searchsorted(ends, offsets[docs[i]] + chunk, side="right")))
         sel = docs[i:j]
         lo, hi = offsets[sel[0]], offsets[sel[-1] + 1]
-        v = buf[:, :hi - lo] if hi - lo <= chunk else np.empty((len(a), hi - lo), dtype=np.uint64)
+        v = buf[:, : hi - lo] if hi - lo <= chunk else np.empty((len(a), hi - lo), dtype=np.uint64)
         with np.errstate(over="ignore"):
-            np.multiply(a[:, None], x[None, lo:hi], out=v)   # (num_perm, s)
+            np.multiply(a[:, None], x[None, lo:hi], out=v)  # (num_perm, s)
             v += b[:, None]
         mins = np.minimum.reduceat(v, offsets[sel] - lo, axis=1)  # (num_perm, docs in chunk)
         out[sel] = (mins >> np.uint64(32)).T
@@ -139,7 +142,7 @@ def signatures(hashes: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.nda
 def band_keys(sigs: np.ndarray, bands: int, rows: int, seed: int) -> np.ndarray:
     """(N, bands) uint64 bucket keys: each band's `rows` values mixed into one integer."""
     mix = np.random.default_rng(seed + 1).integers(1, 2**63, size=rows, dtype=np.uint64) | np.uint64(1)
-    cut = sigs[:, :bands * rows].astype(np.uint64).reshape(len(sigs), bands, rows)
+    cut = sigs[:, : bands * rows].astype(np.uint64).reshape(len(sigs), bands, rows)
     with np.errstate(over="ignore"):
         return (cut * mix).sum(axis=2, dtype=np.uint64)
 
@@ -153,7 +156,7 @@ def candidate_pairs(keys: np.ndarray, valid: np.ndarray | None = None, fanout: i
     found = []
     for band in range(keys.shape[1]):
         k = keys[rows, band]
-        order = rows[np.argsort(k, kind="stable")]            # equal keys keep increasing row order
+        order = rows[np.argsort(k, kind="stable")]  # equal keys keep increasing row order
         ks = keys[order, band]
         new = np.ones(len(ks), dtype=bool)
         new[1:] = ks[1:] != ks[:-1]
@@ -174,8 +177,8 @@ def estimate_jaccard(sigs: np.ndarray, pairs: np.ndarray, chunk: int = 1 << 15) 
     """(E,) fraction of equal MinHash values of each pair: the unbiased Jaccard estimate."""
     out = np.empty(len(pairs))
     for lo in range(0, len(pairs), chunk):
-        p = pairs[lo:lo + chunk]
-        out[lo:lo + chunk] = (sigs[p[:, 0]] == sigs[p[:, 1]]).mean(axis=1)
+        p = pairs[lo : lo + chunk]
+        out[lo : lo + chunk] = (sigs[p[:, 0]] == sigs[p[:, 1]]).mean(axis=1)
     return out
 
 
@@ -190,7 +193,7 @@ def exact_jaccard(hashes: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) ->
     keep = np.ones(len(h), dtype=bool)
     keep[1:] = (h[1:] != h[:-1]) | (d[1:] != d[:-1])
     h, d = h[keep], d[keep]
-    uoff = np.searchsorted(d, np.arange(len(offsets)))       # (N+1,) offsets of the distinct sets
+    uoff = np.searchsorted(d, np.arange(len(offsets)))  # (N+1,) offsets of the distinct sets
     size = np.diff(uoff)
     a, b = pairs[:, 0], pairs[:, 1]
     # both sets of every pair, tagged with the pair; a hash seen twice within a pair is shared

@@ -1,6 +1,6 @@
 """raypai: a Ray-native platform from raw text to a deployed language model, with lineage.
 
-    from raypai import step, pipeline, run_pipeline, Artifact, StepContext
+from raypai import step, pipeline, run_pipeline, Artifact, StepContext
 """
 
 from __future__ import annotations
@@ -13,18 +13,51 @@ __version__ = "0.1.0"
 # `raypai.alignment` does not import the runner, the metadata store, SQLAlchemy and pyarrow
 # (≈ 0.4 s of CPU in every role and task process, on machines where roles share the cores).
 _EXPORTS = {
-    "Artifact": "raypai.artifacts", "ArtifactStore": "raypai.artifacts", "StepContext": "raypai.context",
-    "pipeline": "raypai.dsl", "step": "raypai.dsl",
-    **{name: "raypai.errors" for name in ("ConfigError", "DataError", "DeployError", "NotFoundError", "PipelineError",
-                                          "RaypaiError", "StoreError", "TrainError")},
+    "Artifact": "raypai.artifacts",
+    "ArtifactStore": "raypai.artifacts",
+    "StepContext": "raypai.context",
+    "pipeline": "raypai.dsl",
+    "step": "raypai.dsl",
+    **{
+        name: "raypai.errors"
+        for name in (
+            "ConfigError",
+            "DataError",
+            "DeployError",
+            "NotFoundError",
+            "PipelineError",
+            "RaypaiError",
+            "StoreError",
+            "TrainError",
+        )
+    },
     **{name: "raypai.runner" for name in ("RunResult", "Runner", "StepResult", "run_pipeline")},
-    "Settings": "raypai.settings", "RunLogger": "raypai.tracking", "Tracker": "raypai.tracking",
+    "Settings": "raypai.settings",
+    "RunLogger": "raypai.tracking",
+    "Tracker": "raypai.tracking",
 }
 
 __all__ = [
-    "step", "pipeline", "run_pipeline", "Artifact", "ArtifactStore", "StepContext", "Settings", "Runner", "RunResult",
-    "StepResult", "RunLogger", "Tracker", "RaypaiError", "ConfigError", "DataError", "PipelineError",
-    "StoreError", "TrainError", "DeployError", "NotFoundError",
+    "step",
+    "pipeline",
+    "run_pipeline",
+    "Artifact",
+    "ArtifactStore",
+    "StepContext",
+    "Settings",
+    "Runner",
+    "RunResult",
+    "StepResult",
+    "RunLogger",
+    "Tracker",
+    "RaypaiError",
+    "ConfigError",
+    "DataError",
+    "PipelineError",
+    "StoreError",
+    "TrainError",
+    "DeployError",
+    "NotFoundError",
 ]
 
 

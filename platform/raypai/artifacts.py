@@ -242,8 +242,9 @@ class ArtifactStore:
         with self.fs.open_output_stream(f"{final}/{MARKER}") as fout:  # last: makes it visible
             fout.write(json.dumps(marker).encode())
 
-    def register_external(self, path: str | Path, *, kind: str = "source", name: str | None = None,
-                          metadata: dict | None = None) -> Artifact:
+    def register_external(
+        self, path: str | Path, *, kind: str = "source", name: str | None = None, metadata: dict | None = None
+    ) -> Artifact:
         """Record raw inputs (a file or folder) by digest without copying them."""
         p = Path(path).absolute()
         if not p.exists():

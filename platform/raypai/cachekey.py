@@ -199,7 +199,7 @@ def _is_raypai(name: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def raypai_version() -> str:
-    """"0.1.0", or "0.1.0+src.<digest of its package files>" when raypai runs from a source tree."""
+    """ "0.1.0", or "0.1.0+src.<digest of its package files>" when raypai runs from a source tree."""
     import raypai
 
     version = getattr(raypai, "__version__", None) or library_version("raypai") or "unknown"
@@ -339,8 +339,9 @@ class KeyBuilder:
 # ---- why (not) a hit -------------------------------------------------------------------------------
 
 
-def explain_miss(now: dict, before: dict | None, *, params_now: dict | None = None,
-                 params_before: dict | None = None) -> list[str]:
+def explain_miss(
+    now: dict, before: dict | None, *, params_now: dict | None = None, params_before: dict | None = None
+) -> list[str]:
     """What differs between two steps' key components, most telling first; [] when nothing does."""
     if not before:
         return ["no earlier run of this step recorded its key"]
@@ -373,8 +374,9 @@ def explain_miss(now: dict, before: dict | None, *, params_now: dict | None = No
     in_changed, in_added, in_removed = _dict_diff(now["inputs"], before.get("inputs", {}))
     for p in in_changed:
         a, b = (params_before or {}).get(p), (params_now or {}).get(p)
-        why.append(f"parameter {p} {_short(a)} → {_short(b)}" if a is not None and b is not None
-                   else f"input {p} changed")
+        why.append(
+            f"parameter {p} {_short(a)} → {_short(b)}" if a is not None and b is not None else f"input {p} changed"
+        )
     why += [f"new parameter {p}" for p in in_added] + [f"parameter {p} removed" for p in in_removed]
     return why
 
@@ -393,4 +395,3 @@ def _names(mods: list[str], limit: int = 4) -> str:
 def _short(value) -> str:
     text = _canonical(value)
     return text if len(text) <= 40 else text[:37] + "..."
-

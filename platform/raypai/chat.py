@@ -45,9 +45,19 @@ CHAT_TEMPLATE = (
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", END_OF_TURN, "<end_of_turn>", "<|eot|>", "</s>", "<|endoftext|>")
 
 # Files of an HF folder that describe the tokenizer and generation (copied with exported weights).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
 
 def is_conversational(x) -> bool:
     """A list of {role, content} messages (TRL's conversational format)."""
@@ -68,20 +78,26 @@ def ensure_pad_token(tokenizer) -> None:
     """A tokenizer without a pad token pads with EOS (attention masks hide it); said once per tokenizer."""
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
-            raise ConfigError([f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token: add one "
-                               "(tokenizer.add_special_tokens({'pad_token': ...})) and save it with the model"],
-                              what="tokenizer")
+            raise ConfigError(
+                [
+                    f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an EOS token: add one "
+                    "(tokenizer.add_special_tokens({'pad_token': ...})) and save it with the model"
+                ],
+                what="tokenizer",
+            )
         tokenizer.pad_token = tokenizer.eos_token
         if tokenizer.name_or_path not in _pad_warned:
             _pad_warned.add(tokenizer.name_or_path)
-            log.warning("tokenizer %s has no pad token; padding with EOS %r", tokenizer.name_or_path,
-                        tokenizer.eos_token)
+            log.warning(
+                "tokenizer %s has no pad token; padding with EOS %r", tokenizer.name_or_path, tokenizer.eos_token
+            )
 
 
 @dataclass
 class Truncation:
     """What happens to an example longer than the context: 'refuse' (DataError naming it) or
     'truncate' (the completion is cut; counted in `truncated`)."""
+
     max_length: int
     policy: str = "refuse"
     truncated: int = 0
@@ -117,20 +133,31 @@ class ChatFormat:
             ids.append(self.tok.eos_token_id)
         gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
         ids += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else ([gen_eos] if gen_eos is not None else [])
-        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else json.dumps(self.tok.chat_template or "")
+        template = (
+            self.tok.chat_template
+            if isinstance(self.tok.chat_template, str)
+            else json.dumps(self.tok.chat_template or "")
+        )
         vocab = self.tok.get_vocab()
         ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
         if not ids:
-            raise ConfigError([f"tokenizer {self.tok.name_or_path!r} has no EOS token, no generation_config "
-                               "eos_token_id and no known end-of-turn token: set tokenizer.eos_token"], what="tokenizer")
+            raise ConfigError(
+                [
+                    f"tokenizer {self.tok.name_or_path!r} has no EOS token, no generation_config "
+                    "eos_token_id and no known end-of-turn token: set tokenizer.eos_token"
+                ],
+                what="tokenizer",
+            )
         return list(dict.fromkeys(int(i) for i in ids))
 
     # ---- prompts ---------------------------------------------------------------------------
     def _check_conversational(self, x, what: str) -> None:
         if not self.conversational:
-            raise DataError(f"{what} is conversational (a list of messages) but tokenizer {self.tok.name_or_path!r} "
-                            "has no chat template: give plain-text prompts/completions (standard format), or use a "
-                            "model whose tokenizer has a chat template")
+            raise DataError(
+                f"{what} is conversational (a list of messages) but tokenizer {self.tok.name_or_path!r} "
+                "has no chat template: give plain-text prompts/completions (standard format), or use a "
+                "model whose tokenizer has a chat template"
+            )
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         self._check_conversational(messages, "a conversation")
@@ -138,10 +165,12 @@ class ChatFormat:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2's TemplateError, raise_exception(...) in the template, a KeyError
             roles = [m.get("role") for m in messages] if all(isinstance(m, dict) for m in messages) else messages
-            raise DataError(f"the chat template of {self.tok.name_or_path!r} refused a conversation with roles "
-                            f"{roles}: {type(exc).__name__}: {exc}. Reshape the data to what the template accepts "
-                            "(e.g. fold a system message into the first user turn where the template has no system "
-                            "role; alternate user/assistant turns where it requires that)") from None
+            raise DataError(
+                f"the chat template of {self.tok.name_or_path!r} refused a conversation with roles "
+                f"{roles}: {type(exc).__name__}: {exc}. Reshape the data to what the template accepts "
+                "(e.g. fold a system message into the first user turn where the template has no system "
+                "role; alternate user/assistant turns where it requires that)"
+            ) from None
 
     def prompt_text(self, prompt) -> str:
         """The text the model continues: a string as is, messages through the template + assistant header."""
@@ -174,8 +203,10 @@ class ChatFormat:
             c = self._ids(completion, first=False) + [self.eos_id]
             return p + c, [0] * len(p) + [1] * len(c)
         if isinstance(prompt, str) or isinstance(completion, str):
-            raise DataError("prompt and completion must both be strings (standard format) or both lists of messages "
-                            f"(conversational); got {type(prompt).__name__} and {type(completion).__name__}")
+            raise DataError(
+                "prompt and completion must both be strings (standard format) or both lists of messages "
+                f"(conversational); got {type(prompt).__name__} and {type(completion).__name__}"
+            )
         return self.encode_messages(list(prompt) + list(completion), learn_from=len(prompt))
 
     def encode_messages(self, messages: list[dict], learn_from: int = 0) -> tuple[list[int], list[int]]:
@@ -192,17 +223,21 @@ class ChatFormat:
             if m.get("role") != "assistant" or i < learn_from:
                 continue
             start = _agreeing(self.render(messages[:i], add_generation_prompt=True), full) if i else 0
-            end = _agreeing(self.render(messages[:i + 1], add_generation_prompt=False), full)
+            end = _agreeing(self.render(messages[: i + 1], add_generation_prompt=False), full)
             content = text_of(m.get("content")).strip()
             if end <= start or (content and content not in full[start:end]) or (spans and start < spans[-1][1]):
-                raise DataError(f"the chat template of {self.tok.name_or_path!r} renders assistant turn {i} "
-                                "differently once later turns follow (it rewrites earlier turns), so the turn "
-                                "cannot be located in the conversation; use the prompt/completion format, with the "
-                                "turn to learn as the completion")
+                raise DataError(
+                    f"the chat template of {self.tok.name_or_path!r} renders assistant turn {i} "
+                    "differently once later turns follow (it rewrites earlier turns), so the turn "
+                    "cannot be located in the conversation; use the prompt/completion format, with the "
+                    "turn to learn as the completion"
+                )
             spans.append((start, end))
         if not spans:
-            raise DataError("the conversation has no assistant turn to learn from; SFT data needs at least one "
-                            "{'role': 'assistant', ...} message")
+            raise DataError(
+                "the conversation has no assistant turn to learn from; SFT data needs at least one "
+                "{'role': 'assistant', ...} message"
+            )
         ids: list[int] = []
         mask: list[int] = []
         pos = 0
@@ -230,10 +265,12 @@ class ChatFormat:
         if trunc is None or len(ids) <= trunc.max_length:
             return ids, mask
         if trunc.policy == "refuse":
-            raise DataError(f"{where} is {len(ids)} tokens, longer than the context of {trunc.max_length}: shorten it, "
-                            "drop it, or pass truncation='truncate' to cut completions to fit")
+            raise DataError(
+                f"{where} is {len(ids)} tokens, longer than the context of {trunc.max_length}: shorten it, "
+                "drop it, or pass truncation='truncate' to cut completions to fit"
+            )
         trunc.truncated += 1
-        return ids[:trunc.max_length], mask[:trunc.max_length]
+        return ids[: trunc.max_length], mask[: trunc.max_length]
 
     def decode_completion(self, ids: list[int]) -> str:
         return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
@@ -279,6 +316,10 @@ def write_generation_stops(model_dir: str | Path, stop_ids) -> None:
     from transformers import GenerationConfig
 
     path = Path(model_dir)
-    gen = GenerationConfig.from_pretrained(str(path)) if (path / "generation_config.json").exists() else GenerationConfig()
+    gen = (
+        GenerationConfig.from_pretrained(str(path))
+        if (path / "generation_config.json").exists()
+        else GenerationConfig()
+    )
     gen.eos_token_id = list(stop_ids)
     gen.save_pretrained(str(path))

@@ -130,8 +130,10 @@ def parse_config(cls, mapping: Mapping | None, *, what: str, validate: bool = Tr
 
 def _parse(cls, mapping, prefix: str, problems: list[str]):
     if not isinstance(mapping, Mapping):
-        problems.append(f"{prefix.rstrip('.') or 'the config'} must be a mapping of options "
-                        f"(got {type(mapping).__name__} {mapping!r})")
+        problems.append(
+            f"{prefix.rstrip('.') or 'the config'} must be a mapping of options "
+            f"(got {type(mapping).__name__} {mapping!r})"
+        )
         return None
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
@@ -150,8 +152,11 @@ def _parse(cls, mapping, prefix: str, problems: list[str]):
             values[key] = coerce(hint, value)
         except ValueError:
             problems.append(f"{prefix}{key} must be {type_name(hint)} (got {type(value).__name__} {value!r})")
-    missing = [n for n, f in fields.items() if n not in mapping and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in mapping and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     problems += [f"{prefix}{n} is required ({type_name(hints.get(n, _NO_HINT))})" for n in missing]
     if missing:
         return None

@@ -64,7 +64,9 @@ class StepContext:
         path.mkdir(parents=True)
         return path
 
-    def save(self, local_dir: str | Path, *, kind: str, name: str | None = None, metadata: dict | None = None) -> Artifact:
+    def save(
+        self, local_dir: str | Path, *, kind: str, name: str | None = None, metadata: dict | None = None
+    ) -> Artifact:
         """Commit a folder to the artifact store and record it as produced by this step run."""
         art = self.artifacts.put_dir(local_dir, kind=kind, name=name or self.node, metadata=metadata)
         return self._metadata.record_artifact(art, producer_step_run_id=self.step_run_id)
@@ -78,17 +80,30 @@ class StepContext:
             self.logger.log_dataset(art, context="source")
         return art
 
-    def register_model(self, model: Artifact, name: str, inputs: dict[str, Artifact], *,
-                       alias: str | None = None, local_dir: str | Path | None = None) -> int:
+    def register_model(
+        self,
+        model: Artifact,
+        name: str,
+        inputs: dict[str, Artifact],
+        *,
+        alias: str | None = None,
+        local_dir: str | Path | None = None,
+    ) -> int:
         """Register the saved model artifact `model` in the MLflow registry as `name` (optionally
         setting `alias`; `local_dir`: the folder it was saved from, saving a download), tagged with its lineage (raypai.tracking.lineage_tags: the artifact, this
         step run, `inputs`); returns the registry version."""
         from raypai.tracking import lineage_tags
 
-        tags = lineage_tags(model, run_id=self.run_id, step_run_id=self.step_run_id, pipeline=self.pipeline,
-                            inputs=inputs)
-        return self.tracker.register_model(local_dir or self.artifacts.open_artifact(model), name, tags=tags, alias=alias,
-                                           run_id=self.logger.run_id if self.logger else None)
+        tags = lineage_tags(
+            model, run_id=self.run_id, step_run_id=self.step_run_id, pipeline=self.pipeline, inputs=inputs
+        )
+        return self.tracker.register_model(
+            local_dir or self.artifacts.open_artifact(model),
+            name,
+            tags=tags,
+            alias=alias,
+            run_id=self.logger.run_id if self.logger else None,
+        )
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         self.key_metrics.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
@@ -99,8 +114,14 @@ class StepContext:
         if self.logger:
             self.logger.log_params(params)
 
-    def progress(self, done: float | str | None = None, total: float | None = None, unit: str = "steps", *,
-                 note: str | None = None) -> None:
+    def progress(
+        self,
+        done: float | str | None = None,
+        total: float | None = None,
+        unit: str = "steps",
+        *,
+        note: str | None = None,
+    ) -> None:
         """How far this step is (`ctx.progress(120, 200, "steps")`, or a note: `ctx.progress("loading")`):
         the driver shows one summary line per running step (rate, time left). Throttled to 1/s."""
         self.progress_reporter()(done, total, unit, note=note)

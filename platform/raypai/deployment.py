@@ -62,8 +62,13 @@ class DeploymentSpec:
 
     def promoted(self) -> "DeploymentSpec":
         """The canary as the stable version; the old stable version joins `previous_versions`."""
-        return replace(self, version=self.canary_version, canary_version=None, canary_percent=0,
-                       previous_versions=(*self.previous_versions, self.version)[-5:])
+        return replace(
+            self,
+            version=self.canary_version,
+            canary_version=None,
+            canary_percent=0,
+            previous_versions=(*self.previous_versions, self.version)[-5:],
+        )
 
     def rolled_back(self) -> "DeploymentSpec":
         """The last previous stable version as the stable one again (no canary)."""

@@ -72,8 +72,10 @@ class DAG:
         """Topological order; a cycle or a dangling reference is a PipelineError naming the nodes."""
         missing = [(n.name, u) for n in self.nodes.values() for u in n.upstream() if u not in self.nodes]
         if missing:
-            raise PipelineError(f"pipeline {self.pipeline!r}: step inputs refer to unknown step calls {missing}; "
-                                "pass outputs of steps called in the same pipeline")
+            raise PipelineError(
+                f"pipeline {self.pipeline!r}: step inputs refer to unknown step calls {missing}; "
+                "pass outputs of steps called in the same pipeline"
+            )
         indeg = {n: len(self.nodes[n].upstream()) for n in self.nodes}
         ready = [n for n, d in indeg.items() if d == 0]
         out: list[str] = []
@@ -87,8 +89,10 @@ class DAG:
                         ready.append(n.name)
         if len(out) != len(self.nodes):
             cyc = sorted(set(self.nodes) - set(out))
-            raise PipelineError(f"pipeline {self.pipeline!r} has a cycle through steps {cyc}; "
-                                "a step cannot consume its own (indirect) output")
+            raise PipelineError(
+                f"pipeline {self.pipeline!r} has a cycle through steps {cyc}; "
+                "a step cannot consume its own (indirect) output"
+            )
         return out
 
 
@@ -106,8 +110,21 @@ def _walk_refs(value):
 class StepDef:
     """A function made into a pipeline step. Call it inside a @pipeline body."""
 
-    def __init__(self, fn, *, name=None, cpus=1.0, gpus=0.0, memory=None, resources=None,
-                 retries=0, retry_delay_s=1.0, cache=True, libraries=None, cache_check=None):
+    def __init__(
+        self,
+        fn,
+        *,
+        name=None,
+        cpus=1.0,
+        gpus=0.0,
+        memory=None,
+        resources=None,
+        retries=0,
+        retry_delay_s=1.0,
+        cache=True,
+        libraries=None,
+        cache_check=None,
+    ):
         self.fn = fn
         self.name = name or fn.__name__
         self.identity = f"{fn.__module__}:{fn.__qualname__}"
@@ -117,8 +134,10 @@ class StepDef:
         # cache_check(value, store) -> None when a cached result still holds outside raypai's stores
         # (e.g. a deployment still serves it), else the reason it does not (the step then runs)
         if cache_check is not None and not callable(cache_check):
-            raise ConfigError([f"cache_check={cache_check!r} must be a function (value, store) -> str | None"],
-                              what=f"step {self.identity}")
+            raise ConfigError(
+                [f"cache_check={cache_check!r} must be a function (value, store) -> str | None"],
+                what=f"step {self.identity}",
+            )
         self.cache_check = cache_check
         # distributions whose installed versions enter the cache key (None: raypai.cachekey's defaults)
         self.libraries = _check_libraries(self.identity, libraries)
@@ -126,8 +145,7 @@ class StepDef:
         hints = _hints(fn)
         from raypai.context import StepContext
 
-        self.ctx_param = next((p for p in self.signature.parameters
-                               if p == "ctx" or hints.get(p) is StepContext), None)
+        self.ctx_param = next((p for p in self.signature.parameters if p == "ctx" or hints.get(p) is StepContext), None)
         self.hints = hints
         functools.update_wrapper(self, fn)
 
@@ -147,22 +165,25 @@ class StepDef:
 
         def call(*args, **kwargs):
             return self(*args, _node=node, **kwargs)
+
         return call
 
     def __call__(self, *args, _node: str | None = None, **kwargs):
         dag: DAG | None = getattr(_BUILD, "dag", None)
         if dag is None:
-            raise PipelineError(f"step {self.name!r} was called outside a @pipeline function; call it inside "
-                                "one and run the pipeline, or call `{0}.fn(...)` to run the plain function"
-                                .format(self.name))
+            raise PipelineError(
+                f"step {self.name!r} was called outside a @pipeline function; call it inside "
+                "one and run the pipeline, or call `{0}.fn(...)` to run the plain function".format(self.name)
+            )
         params = [p for p in self.signature.parameters.values() if p.name != self.ctx_param]
         sig = inspect.Signature(params)
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError as exc:
             valid = ", ".join(p.name for p in params) or "(none)"
-            raise PipelineError(f"step {self.name!r} in pipeline {dag.pipeline!r}: {exc}; "
-                                f"its parameters are: {valid}") from None
+            raise PipelineError(
+                f"step {self.name!r} in pipeline {dag.pipeline!r}: {exc}; its parameters are: {valid}"
+            ) from None
         bound.apply_defaults()
         args, problems = {}, []
         for pname, value in bound.arguments.items():
@@ -219,8 +240,9 @@ class PipelineDef:
         """Check names and read values as the annotated types (raypai.config: `--param` text "3e-3" and
         "false" become numbers and booleans); all problems at once."""
         valid = list(self.signature.parameters)
-        problems = [f"pipeline {self.name!r}: {unknown_key(k, valid, noun='parameter')}"
-                    for k in params if k not in valid]
+        problems = [
+            f"pipeline {self.name!r}: {unknown_key(k, valid, noun='parameter')}" for k in params if k not in valid
+        ]
         out = {}
         for pname, p in self.signature.parameters.items():
             if pname in params:
@@ -239,8 +261,10 @@ class PipelineDef:
         return out
 
     def __call__(self, *args, **kwargs):
-        raise PipelineError(f"pipeline {self.name!r} is run with `raypai.run_pipeline({self.name}, ...)` or "
-                            f"`raypai run FILE:{self.name}`")
+        raise PipelineError(
+            f"pipeline {self.name!r} is run with `raypai.run_pipeline({self.name}, ...)` or "
+            f"`raypai run FILE:{self.name}`"
+        )
 
 
 def pipeline(fn=None, *, name: str | None = None):
@@ -273,13 +297,23 @@ def _check_libraries(identity: str, libraries) -> tuple[str, ...] | None:
     from raypai.cachekey import library_version
 
     if isinstance(libraries, str) or not all(isinstance(x, str) for x in libraries):
-        raise ConfigError([f"libraries={libraries!r} must be a tuple of distribution names, "
-                           "e.g. libraries=(\"transformers\", \"torch\")"], what=f"step {identity}")
+        raise ConfigError(
+            [
+                f"libraries={libraries!r} must be a tuple of distribution names, "
+                'e.g. libraries=("transformers", "torch")'
+            ],
+            what=f"step {identity}",
+        )
     missing = [x for x in libraries if library_version(x) is None]
     if missing:
-        raise ConfigError([f"library {x!r} is not installed, so its version cannot enter the cache key; "
-                           "name distributions as pip lists them (`pip list`)" for x in missing],
-                          what=f"step {identity}")
+        raise ConfigError(
+            [
+                f"library {x!r} is not installed, so its version cannot enter the cache key; "
+                "name distributions as pip lists them (`pip list`)"
+                for x in missing
+            ],
+            what=f"step {identity}",
+        )
     return tuple(sorted(set(libraries)))
 
 

@@ -17,7 +17,9 @@ def load_pipeline(target: str) -> PipelineDef:
     if path_part.endswith(".py") or "/" in path_part:
         path = Path(path_part)
         if not path.exists():
-            raise PipelineError(f"pipeline file {path_part} not found; pass FILE.py[:PIPELINE] relative to {Path.cwd()}")
+            raise PipelineError(
+                f"pipeline file {path_part} not found; pass FILE.py[:PIPELINE] relative to {Path.cwd()}"
+            )
         # Stable across processes: the module name is part of each step's identity (and cache key).
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
         mod_name = f"raypai_user_{path.stem}_{digest}"
@@ -33,7 +35,9 @@ def load_pipeline(target: str) -> PipelineDef:
         try:
             module = importlib.import_module(path_part)
         except ImportError as exc:
-            raise PipelineError(f"cannot import {path_part!r} ({exc}); pass a .py file or an importable module") from exc
+            raise PipelineError(
+                f"cannot import {path_part!r} ({exc}); pass a .py file or an importable module"
+            ) from exc
     found = {v.name: v for v in vars(module).values() if isinstance(v, PipelineDef)}
     if not found:
         raise PipelineError(f"{path_part} defines no @pipeline function; decorate one with @raypai.pipeline")
@@ -42,6 +46,7 @@ def load_pipeline(target: str) -> PipelineDef:
             raise PipelineError(f"{path_part} has no pipeline {name!r}; it has: {', '.join(sorted(found))}")
         return found[name]
     if len(found) > 1:
-        raise PipelineError(f"{path_part} defines several pipelines ({', '.join(sorted(found))}); "
-                            f"pick one with {path_part}:NAME")
+        raise PipelineError(
+            f"{path_part} defines several pipelines ({', '.join(sorted(found))}); pick one with {path_part}:NAME"
+        )
     return next(iter(found.values()))

@@ -47,8 +47,14 @@ class StepProgress:
     min_interval_s: float = 1.0
     _last: float = 0.0  # when the last count was printed
 
-    def __call__(self, done: float | str | None = None, total: float | None = None, unit: str = "steps", *,
-                 note: str | None = None) -> None:
+    def __call__(
+        self,
+        done: float | str | None = None,
+        total: float | None = None,
+        unit: str = "steps",
+        *,
+        note: str | None = None,
+    ) -> None:
         if isinstance(done, str):  # ctx.progress("a message"): a note, no count
             note, done = done, None
         now = time.time()
@@ -65,7 +71,7 @@ def parse_progress_line(line: str) -> Update | None:
     if not line.startswith(MAGIC):
         return None
     try:
-        return Update(**json.loads(line[len(MAGIC):]))
+        return Update(**json.loads(line[len(MAGIC) :]))
     except (ValueError, TypeError):
         return None
 
@@ -87,8 +93,13 @@ class _DataBars:
             return None
         bar = max(ops, key=lambda b: b.get("pos", 0))
         op = str(bar.get("desc", "")).lstrip("- ").split(":")[0]
-        return Update(node, float(bar.get("x", 0)), float(bar["total"]), (bar.get("unit") or "rows").strip() + "s",
-                      note=f"Ray Data {op}")
+        return Update(
+            node,
+            float(bar.get("x", 0)),
+            float(bar["total"]),
+            (bar.get("unit") or "rows").strip() + "s",
+            note=f"Ray Data {op}",
+        )
 
 
 class Meter:
@@ -100,14 +111,20 @@ class Meter:
         self.last: Update | None = None
 
     def add(self, u: Update) -> None:
-        if u.done is not None and self.last is not None and (
-                u.unit != self.last.unit or u.done < (self.last.done or 0)):
+        if (
+            u.done is not None
+            and self.last is not None
+            and (u.unit != self.last.unit or u.done < (self.last.done or 0))
+        ):
             self.points = []  # a new phase (another unit, or a counter that restarted)
         if u.done is not None:
             self.points.append((u.t, u.done))
             self.points = [p for p in self.points if p[0] >= u.t - self.window_s] or self.points[-1:]
-        self.last = u if u.done is not None or self.last is None else Update(
-            u.node, self.last.done, self.last.total, self.last.unit, u.note, u.t)
+        self.last = (
+            u
+            if u.done is not None or self.last is None
+            else Update(u.node, self.last.done, self.last.total, self.last.unit, u.note, u.t)
+        )
 
     @property
     def rate(self) -> float | None:
@@ -208,7 +225,7 @@ class WorkerLogs:
 
     def _node(self, data: dict) -> str | None:
         name = data.get("task_name") or ""
-        return name[len(self.prefix):] if name.startswith(self.prefix) else None
+        return name[len(self.prefix) :] if name.startswith(self.prefix) else None
 
     def drain(self) -> list[dict]:
         out = []

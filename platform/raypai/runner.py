@@ -78,14 +78,16 @@ class RunResult:
         return self.steps[node]
 
 
-def run_pipeline(pipe, *, settings: Settings | None = None, progress=None, origin_run_id: str | None = None,
-                 **params) -> RunResult:
+def run_pipeline(
+    pipe, *, settings: Settings | None = None, progress=None, origin_run_id: str | None = None, **params
+) -> RunResult:
     """Build `pipe` (a @pipeline) with `params` and run it: `run_pipeline(toy, n=5)`."""
     import inspect
 
     dag = pipe.build(**params)
-    return Runner(settings=settings, progress=progress).run(dag, origin_run_id=origin_run_id,
-                                                            source_file=inspect.getsourcefile(pipe.fn))
+    return Runner(settings=settings, progress=progress).run(
+        dag, origin_run_id=origin_run_id, source_file=inspect.getsourcefile(pipe.fn)
+    )
 
 
 def tracker_for(settings: Settings) -> Tracker:
@@ -110,8 +112,9 @@ class Runner:
         ray_info = ensure_ray(self.settings)
         # steps deploy on the Serve port chosen for this Ray (a free one when 8000 is taken)
         self.settings = self.settings.replace(serve_port=ray_info.serve_port)
-        log = self.settings.home / "logs" / (
-            f"{dag.pipeline}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log")
+        log = (
+            self.settings.home / "logs" / (f"{dag.pipeline}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}.log")
+        )
         # the workers' output goes to `log`; their progress lines reach self.progress as step_progress
         with WorkerLogs(log, dag.pipeline) as self._logs:
             self._ray = ray_info
@@ -126,14 +129,24 @@ class Runner:
 
         order = dag.order()
         t0 = time.time()
-        run_id = self.store.create_run(dag.pipeline, _jsonable(dag.params), source_file=source_file,
-                                       origin_run_id=origin_run_id)
-        mlflow_parent = self.tracker.start_run(dag.pipeline, f"{dag.pipeline}-{run_id[:8]}",
-                                               tags={"raypai.run_id": run_id})
+        run_id = self.store.create_run(
+            dag.pipeline, _jsonable(dag.params), source_file=source_file, origin_run_id=origin_run_id
+        )
+        mlflow_parent = self.tracker.start_run(
+            dag.pipeline, f"{dag.pipeline}-{run_id[:8]}", tags={"raypai.run_id": run_id}
+        )
         self.tracker.logger(mlflow_parent).log_params(_jsonable(dag.params))
         self.store.update_run(run_id, mlflow_run_id=mlflow_parent, ray_job_id=_ray_job_id())
-        self.progress({"event": "run_started", "run_id": run_id, "pipeline": dag.pipeline, "steps": order,
-                       "log": str(self._logs.path), "ray": self._ray.describe()})
+        self.progress(
+            {
+                "event": "run_started",
+                "run_id": run_id,
+                "pipeline": dag.pipeline,
+                "steps": order,
+                "log": str(self._logs.path),
+                "ray": self._ray.describe(),
+            }
+        )
         _register_by_value(dag)
 
         results: dict[str, StepResult] = {}
@@ -153,7 +166,11 @@ class Runner:
                         results[node] = cached
                     else:
                         running[self._submit(run_id, dag, node, srid, 0, results, mlflow_parent)] = (
-                            node, srid, 0, time.time())
+                            node,
+                            srid,
+                            0,
+                            time.time(),
+                        )
                         self.progress({"event": "step_started", "node": node})
             now = time.time()
             for item in [w for w in waiting_retry if w[0] <= now]:
@@ -172,13 +189,30 @@ class Runner:
                 out = _get(ref)
                 spec = dag.nodes[node].step
                 if out.state == "failed" and attempt < spec.retries:
-                    delay = spec.retry_delay_s * (2 ** attempt)
-                    self.progress({"event": "step_retry", "node": node, "attempt": attempt + 1, "error": out.error,
-                                   "delay_s": delay})
+                    delay = spec.retry_delay_s * (2**attempt)
+                    self.progress(
+                        {
+                            "event": "step_retry",
+                            "node": node,
+                            "attempt": attempt + 1,
+                            "error": out.error,
+                            "delay_s": delay,
+                        }
+                    )
                     waiting_retry.append((time.time() + delay, node, srid, attempt + 1))
                     continue
-                res = StepResult(node, srid, out.state, dict(out.outputs), out.value, time.time() - started,
-                                 out.error, out.traceback, dict(out.metrics), attempt + 1)
+                res = StepResult(
+                    node,
+                    srid,
+                    out.state,
+                    dict(out.outputs),
+                    out.value,
+                    time.time() - started,
+                    out.error,
+                    out.traceback,
+                    dict(out.metrics),
+                    attempt + 1,
+                )
                 if res.state == "failed":
                     self.store.transition(srid, "failed", error=res.error, traceback=res.traceback)
                 results[node] = res
@@ -189,8 +223,9 @@ class Runner:
         error = "; ".join(f"{n}: {results[n].error}" for n in failed) or None
         self.store.update_run(run_id, state=state, error=error)
         self.tracker.end_run(mlflow_parent, "FAILED" if failed else "FINISHED")
-        rr = RunResult(run_id, dag.pipeline, state, results, time.time() - t0, mlflow_parent,
-                       _resolve(dag.result, results))
+        rr = RunResult(
+            run_id, dag.pipeline, state, results, time.time() - t0, mlflow_parent, _resolve(dag.result, results)
+        )
         self._relay_logs()
         self.progress({"event": "run_finished", "result": rr})
         return rr
@@ -219,8 +254,9 @@ class Runner:
         hit, reason = self._cache_lookup(key, spec.cache or origin_run_id is not None, spec.cache_check)
         if reason is None:
             reason = self._explain_miss(dag, node, parts, params)
-        srid = self.store.create_step_run(run_id, node, spec.identity, params, key, cache_components=parts,
-                                          cache_reason=reason)
+        srid = self.store.create_step_run(
+            run_id, node, spec.identity, params, key, cache_components=parts, cache_reason=reason
+        )
         if hit is not None:
             src = hit["step_run"]
             for name, art in hit["outputs"].items():
@@ -228,8 +264,15 @@ class Runner:
             for pname, art in _artifacts_in(inputs):
                 self.store.add_edge(srid, art.id, pname, direction="input")
             value = (src.get("result") or {}).get("value")
-            self.store.transition(srid, "cached", cache_hit=True, cached_from=src["id"], result=src.get("result"),
-                                  metrics=src.get("metrics") or {}, mlflow_run_id=src.get("mlflow_run_id"))
+            self.store.transition(
+                srid,
+                "cached",
+                cache_hit=True,
+                cached_from=src["id"],
+                result=src.get("result"),
+                metrics=src.get("metrics") or {},
+                mlflow_run_id=src.get("mlflow_run_id"),
+            )
             res = StepResult(node, srid, "cached", hit["outputs"], value, 0.0, metrics=src.get("metrics") or {})
             self.progress({"event": "step_finished", "node": node, "result": res})
             return srid, res
@@ -245,13 +288,14 @@ class Runner:
         src = hit["step_run"]
         if not all(_present(self.artifacts, a) for a in hit["outputs"].values()):
             # outputs deleted from the store (or raw sources moved): run again
-            return None, (f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
-                          "outputs are gone from the artifact store (or its raw source moved)")
+            return None, (
+                f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
+                "outputs are gone from the artifact store (or its raw source moved)"
+            )
         if check is not None:
             stale = check((src.get("result") or {}).get("value"), self.store)
             if stale:
-                return None, (f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but "
-                              f"{stale}")
+                return None, (f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but {stale}")
         return hit, f"cache hit: same key as run {src['run_id'][:8]} step {src['node']}"
 
     def _explain_miss(self, dag: DAG, node: str, parts: dict, params: dict) -> str:
@@ -269,15 +313,27 @@ class Runner:
         spec = dag.nodes[node].step
         inputs = self._inputs(dag, node, results)
         # SPREAD: on a cluster, concurrent steps go to different nodes rather than packing the head
-        opts = {"num_cpus": spec.cpus, "num_gpus": spec.gpus, "name": f"{dag.pipeline}.{node}", "max_retries": 0,
-                "scheduling_strategy": "SPREAD"}
+        opts = {
+            "num_cpus": spec.cpus,
+            "num_gpus": spec.gpus,
+            "name": f"{dag.pipeline}.{node}",
+            "max_retries": 0,
+            "scheduling_strategy": "SPREAD",
+        }
         if spec.memory:
             opts["memory"] = spec.memory
         if spec.resources:
             opts["resources"] = spec.resources
-        payload = {"settings": self.settings, "run_id": run_id, "step_run_id": srid, "node": node,
-                   "pipeline": dag.pipeline, "attempt": attempt, "mlflow_parent": mlflow_parent,
-                   "cache_key": self.store.get_step_run(srid)["cache_key"]}
+        payload = {
+            "settings": self.settings,
+            "run_id": run_id,
+            "step_run_id": srid,
+            "node": node,
+            "pipeline": dag.pipeline,
+            "attempt": attempt,
+            "mlflow_parent": mlflow_parent,
+            "cache_key": self.store.get_step_run(srid)["cache_key"],
+        }
         return _remote_execute().options(**opts).remote(payload, spec, inputs)
 
     def _skip(self, run_id, dag, node) -> StepResult:
@@ -300,14 +356,34 @@ def _execute_step_impl(payload: dict, spec, inputs: dict) -> StepOutcome:
     tracker = tracker_for(settings)
     srid = payload["step_run_id"]
     ctx_rt = ray.get_runtime_context()
-    mlflow_run = tracker.start_run(payload["pipeline"], payload["node"], parent_run_id=payload["mlflow_parent"],
-                                   tags={"raypai.step_run_id": srid, "raypai.step": spec.identity})
-    store.transition(srid, "running", attempt=payload["attempt"], mlflow_run_id=mlflow_run,
-                     ray_task_id=ctx_rt.get_task_id(), ray_node_id=ctx_rt.get_node_id())
+    mlflow_run = tracker.start_run(
+        payload["pipeline"],
+        payload["node"],
+        parent_run_id=payload["mlflow_parent"],
+        tags={"raypai.step_run_id": srid, "raypai.step": spec.identity},
+    )
+    store.transition(
+        srid,
+        "running",
+        attempt=payload["attempt"],
+        mlflow_run_id=mlflow_run,
+        ray_task_id=ctx_rt.get_task_id(),
+        ray_node_id=ctx_rt.get_node_id(),
+    )
     logger = tracker.logger(mlflow_run)
-    ctx = StepContext(settings, payload["run_id"], srid, payload["node"], payload["pipeline"], store,
-                      ArtifactStore(settings.artifact_uri, cache_dir=settings.home / "cache"), tracker, logger,
-                      attempt=payload["attempt"], cache_key=payload.get("cache_key"))
+    ctx = StepContext(
+        settings,
+        payload["run_id"],
+        srid,
+        payload["node"],
+        payload["pipeline"],
+        store,
+        ArtifactStore(settings.artifact_uri, cache_dir=settings.home / "cache"),
+        tracker,
+        logger,
+        attempt=payload["attempt"],
+        cache_key=payload.get("cache_key"),
+    )
     try:
         logger.log_params({k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)})
         for pname, art in _artifacts_in(inputs):
@@ -370,8 +446,10 @@ def _split_result(step_name: str, value) -> tuple[dict, object]:
     try:
         canonical(value)
     except (TypeError, ValueError):
-        raise PipelineError(f"step {step_name!r} returned a {type(value).__name__}, which cannot be recorded; "
-                            "return an Artifact (ctx.save(...)), a dict of Artifacts, or a small JSON-able value")
+        raise PipelineError(
+            f"step {step_name!r} returned a {type(value).__name__}, which cannot be recorded; "
+            "return an Artifact (ctx.save(...)), a dict of Artifacts, or a small JSON-able value"
+        )
     return {}, _jsonable(value)
 
 
@@ -384,8 +462,10 @@ def _resolve(value, results: dict):
             return res.outputs[value.key]
         if isinstance(res.value, dict) and value.key in res.value:
             return res.value[value.key]
-        raise PipelineError(f"step {value.node!r} has no output {value.key!r}; it produced "
-                            f"{sorted(res.outputs) or sorted(res.value or {})}")
+        raise PipelineError(
+            f"step {value.node!r} has no output {value.key!r}; it produced "
+            f"{sorted(res.outputs) or sorted(res.value or {})}"
+        )
     if isinstance(value, dict):
         return {k: _resolve(v, results) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -453,8 +533,11 @@ def _register_by_value(dag: DAG) -> None:
 def _print_progress(event: dict) -> None:
     kind = event["event"]
     if kind == "run_started":
-        print(f"run {event['run_id'][:8]} of {event['pipeline']}: {len(event['steps'])} steps; "
-              f"worker logs: {event['log']}", flush=True)
+        print(
+            f"run {event['run_id'][:8]} of {event['pipeline']}: {len(event['steps'])} steps; "
+            f"worker logs: {event['log']}",
+            flush=True,
+        )
     elif kind == "step_started":
         print(f"  ▶ {event['node']} started", flush=True)
     elif kind == "step_retry":
@@ -462,8 +545,10 @@ def _print_progress(event: dict) -> None:
     elif kind == "step_finished":
         r: StepResult = event["result"]
         extra = f" ({r.error})" if r.error else ""
-        print(f"  {'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} {r.state} in {r.seconds:.1f}s{extra}",
-              flush=True)
+        print(
+            f"  {'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} {r.state} in {r.seconds:.1f}s{extra}",
+            flush=True,
+        )
     elif kind == "run_finished":
         rr: RunResult = event["result"]
         print(f"run {rr.run_id[:8]} {rr.state} in {rr.seconds:.1f}s", flush=True)

@@ -37,12 +37,36 @@ from pathlib import Path
 from raypai.errors import ConfigError, RaypaiError
 from raypai.settings import Settings
 
-__all__ = ["DEFAULT_PORTS", "Endpoint", "HeadState", "RayInfo", "RuntimeStartError", "RuntimeState", "check_port",
-           "endpoint_url", "ensure_ray", "load_state", "pick_port", "port_is_free", "record_endpoint", "start_head",
-           "state_path", "stop_head", "tracker", "worker_env"]
+__all__ = [
+    "DEFAULT_PORTS",
+    "Endpoint",
+    "HeadState",
+    "RayInfo",
+    "RuntimeStartError",
+    "RuntimeState",
+    "check_port",
+    "endpoint_url",
+    "ensure_ray",
+    "load_state",
+    "pick_port",
+    "port_is_free",
+    "record_endpoint",
+    "start_head",
+    "state_path",
+    "stop_head",
+    "tracker",
+    "worker_env",
+]
 
-DEFAULT_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "dashboard_agent": 52365, "serve": 8000,
-                 "api": 8080, "mlflow_ui": 5000}
+DEFAULT_PORTS = {
+    "gcs": 6379,
+    "dashboard": 8265,
+    "client": 10001,
+    "dashboard_agent": 52365,
+    "serve": 8000,
+    "api": 8080,
+    "mlflow_ui": 5000,
+}
 NAMESPACE = "raypai"
 _SERVE_PORT_KEY = b"raypai/serve_port"  # Ray internal KV: the Serve port chosen for this cluster
 
@@ -226,8 +250,9 @@ def _temp_dir(settings: Settings) -> Path:
     return Path(tempfile.gettempdir()) / f"raypai-{digest}"
 
 
-def start_head(settings: Settings, *, num_cpus: int | None = None, dashboard: bool | None = None,
-               timeout_s: float = 120.0) -> HeadState:
+def start_head(
+    settings: Settings, *, num_cpus: int | None = None, dashboard: bool | None = None, timeout_s: float = 120.0
+) -> HeadState:
     """Start a persistent local Ray head on free ports and record it; the running one if there is."""
     with _locked(settings):
         raw = _read(settings)
@@ -249,29 +274,42 @@ def start_head(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
                 raw["head"] = {**asdict(head), "pids": list(head.pids)}
                 _write(settings, raw)
                 return head
-        raise RuntimeStartError(f"could not start a local Ray head (3 tries):\n{last_error}\n"
-                                f"see the Ray logs under {_temp_dir(settings)}/session_latest/logs")
+        raise RuntimeStartError(
+            f"could not start a local Ray head (3 tries):\n{last_error}\n"
+            f"see the Ray logs under {_temp_dir(settings)}/session_latest/logs"
+        )
 
 
-def _launch(settings: Settings, ports: dict[str, int], cpus: int, dashboard: bool,
-            timeout_s: float) -> tuple[HeadState | None, str]:
+def _launch(
+    settings: Settings, ports: dict[str, int], cpus: int, dashboard: bool, timeout_s: float
+) -> tuple[HeadState | None, str]:
     temp_dir = _temp_dir(settings)
     temp_dir.mkdir(parents=True, exist_ok=True)
     (temp_dir / "ray_current_cluster").unlink(missing_ok=True)
     auth_mode = os.environ.get("RAY_AUTH_MODE", "token")  # Ray's own default for `ray start --head`
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={ports['gcs']}",
-            f"--include-dashboard={'true' if dashboard else 'false'}", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={ports['dashboard']}", f"--ray-client-server-port={ports['client']}",
-            f"--dashboard-agent-listen-port={ports['dashboard_agent']}", f"--temp-dir={temp_dir}",
-            f"--num-cpus={cpus}", "--disable-usage-stats",
-            # workers bind random ports instead of the 10002-19999 range other servers may hold
-            "--min-worker-port=0", "--max-worker-port=0"]
-    env = {**os.environ, **worker_env(settings), "RAY_AUTH_MODE": auth_mode,
-           "RAYPAI_SERVE_PORT": str(ports["serve"])}
+    argv = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        f"--port={ports['gcs']}",
+        f"--include-dashboard={'true' if dashboard else 'false'}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={ports['dashboard']}",
+        f"--ray-client-server-port={ports['client']}",
+        f"--dashboard-agent-listen-port={ports['dashboard_agent']}",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={cpus}",
+        "--disable-usage-stats",
+        # workers bind random ports instead of the 10002-19999 range other servers may hold
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+    ]
+    env = {**os.environ, **worker_env(settings), "RAY_AUTH_MODE": auth_mode, "RAYPAI_SERVE_PORT": str(ports["serve"])}
     env.pop("RAY_ADDRESS", None)
     try:
-        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         return None, f"`ray start` did not finish in {timeout_s:.0f}s: {exc}"
     address_file = temp_dir / "ray_current_cluster"
@@ -281,9 +319,18 @@ def _launch(settings: Settings, ports: dict[str, int], cpus: int, dashboard: boo
     address = address_file.read_text().strip()
     session_dir = _latest_session(temp_dir)
     pids = tuple(sorted(p.pid for p in _session_roots(session_dir, address)))
-    head = HeadState(address=address, dashboard_url=f"http://127.0.0.1:{ports['dashboard']}" if dashboard else None,
-                     client_port=ports["client"], serve_port=ports["serve"], temp_dir=str(temp_dir),
-                     session_dir=session_dir, pids=pids, num_cpus=cpus, auth_mode=auth_mode, started_at=time.time())
+    head = HeadState(
+        address=address,
+        dashboard_url=f"http://127.0.0.1:{ports['dashboard']}" if dashboard else None,
+        client_port=ports["client"],
+        serve_port=ports["serve"],
+        temp_dir=str(temp_dir),
+        session_dir=session_dir,
+        pids=pids,
+        num_cpus=cpus,
+        auth_mode=auth_mode,
+        started_at=time.time(),
+    )
     return head, ""
 
 
@@ -377,12 +424,24 @@ class RayInfo:
 
 def worker_env(settings: Settings) -> dict[str, str]:
     """Environment every Ray worker of raypai gets (settings + quiet, CPU-safe defaults)."""
-    return {**settings.to_env(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-            "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **settings.to_env(),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
-def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bool | None = None,
-               log_to_driver: bool = True, local: bool = False, object_store_memory: int | None = None) -> RayInfo:
+def ensure_ray(
+    settings: Settings,
+    *,
+    num_cpus: int | None = None,
+    dashboard: bool | None = None,
+    log_to_driver: bool = True,
+    local: bool = False,
+    object_store_memory: int | None = None,
+) -> RayInfo:
     """Join the Ray this process should use (see the module docstring), or start a local one.
     Idempotent: when Ray is already initialised, describes it. `local=True` skips the cluster and
     the recorded head and always starts a Ray inside this process (benchmarks measure on a Ray of
@@ -406,8 +465,11 @@ def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
         dash = settings.dashboard if dashboard is None else dashboard
         # Logical CPUs > cores: heavy steps start their own Ray workloads from inside their task
         # (Train workers + controller, role actors), which must schedule beside the step's task.
-        kwargs.update(num_cpus=num_cpus or settings.ray_num_cpus or max(8, os.cpu_count() or 1),
-                      include_dashboard=dash, dashboard_port=pick_port(_preferred_dashboard_port(dash)))
+        kwargs.update(
+            num_cpus=num_cpus or settings.ray_num_cpus or max(8, os.cpu_count() or 1),
+            include_dashboard=dash,
+            dashboard_port=pick_port(_preferred_dashboard_port(dash)),
+        )
         if object_store_memory:
             kwargs["object_store_memory"] = object_store_memory
         _set_auth_mode(os.environ.get("RAY_AUTH_MODE", "token"))  # Ray's default, without its warning
@@ -415,13 +477,21 @@ def ensure_ray(settings: Settings, *, num_cpus: int | None = None, dashboard: bo
     try:
         ctx = ray.init(address=address, runtime_env={"env_vars": env}, **kwargs)
     except ConnectionError as exc:
-        fix = ("check RAY_ADDRESS, or unset it to use a local Ray" if kind == "cluster"
-               else "run `raypai ray stop` and `raypai ray start` again")
+        fix = (
+            "check RAY_ADDRESS, or unset it to use a local Ray"
+            if kind == "cluster"
+            else "run `raypai ray stop` and `raypai ray start` again"
+        )
         raise RuntimeStartError(f"cannot join {kind} Ray at {address}: {exc}; {fix}") from None
     _kv_put_serve_port(serve)
     dash_url = head.dashboard_url if head is not None else _dashboard_url(ctx)
-    return RayInfo(kind, _gcs_address() or address, _kv_serve_port() or serve, dash_url,
-                   head.session_dir if head is not None else _session_dir())
+    return RayInfo(
+        kind,
+        _gcs_address() or address,
+        _kv_serve_port() or serve,
+        dash_url,
+        head.session_dir if head is not None else _session_dir(),
+    )
 
 
 def _current(settings: Settings) -> RayInfo:
@@ -492,6 +562,7 @@ def tracker(settings: Settings):
 def check_port(name: str, port: int) -> None:
     """A port the user pinned must be free: one clear error instead of a bind failure deep inside."""
     if not port_is_free(port):
-        raise ConfigError([f"{name} port {port} is in use: pick another (or leave it unset and raypai picks "
-                           "a free one)"], what="ports")
-
+        raise ConfigError(
+            [f"{name} port {port} is in use: pick another (or leave it unset and raypai picks a free one)"],
+            what="ports",
+        )

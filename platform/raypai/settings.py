@@ -107,17 +107,19 @@ class Settings:
                 if not 1 <= serve_port <= 65535:
                     raise ValueError
             except ValueError:
-                problems.append(f"RAYPAI_SERVE_PORT={serve_port_raw!r}: must be a TCP port (1-65535); unset it "
-                                "to let raypai pick a free one")
+                problems.append(
+                    f"RAYPAI_SERVE_PORT={serve_port_raw!r}: must be a TCP port (1-65535); unset it "
+                    "to let raypai pick a free one"
+                )
         if not serve_host or any(c.isspace() or c in "/:" for c in serve_host.strip("[]")):
-            problems.append(f"RAYPAI_SERVE_HOST={serve_host!r}: expected an address to bind, e.g. 127.0.0.1 "
-                            "(this machine only) or 0.0.0.0 (every interface)")
+            problems.append(
+                f"RAYPAI_SERVE_HOST={serve_host!r}: expected an address to bind, e.g. 127.0.0.1 "
+                "(this machine only) or 0.0.0.0 (every interface)"
+            )
         dashboard = dashboard_raw in ("1", "true", "yes", "on")
         if dashboard_raw not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             problems.append(f"RAYPAI_DASHBOARD={dashboard_raw!r}: use 1 (start the Ray dashboard) or 0 (skip it)")
-        if ray_address is not None and not (
-            ray_address == "auto" or "://" in ray_address or ":" in ray_address
-        ):
+        if ray_address is not None and not (ray_address == "auto" or "://" in ray_address or ":" in ray_address):
             problems.append(
                 f"RAY_ADDRESS={ray_address!r}: expected 'auto', 'host:6379' or 'ray://host:10001'; unset it for a local Ray"
             )

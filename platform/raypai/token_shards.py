@@ -69,8 +69,11 @@ class TokenShardsManifest:
                 files.append(parse_config(ShardFile, f, what=f"files[{i}]"))
             except ConfigError as err:
                 problems += [f"files[{i}]: {p}" for p in err.problems]
-        problems += [f"files[{i}]: split {f.split!r} is unknown; use one of {', '.join(SPLITS)}"
-                     for i, f in enumerate(files) if f.split not in SPLITS]
+        problems += [
+            f"files[{i}]: split {f.split!r} is unknown; use one of {', '.join(SPLITS)}"
+            for i, f in enumerate(files)
+            if f.split not in SPLITS
+        ]
         rest = {k: v for k, v in d.items() if k != "files"}
         try:
             manifest = parse_config(cls, {**rest, "files": tuple(files)}, what="token-shards manifest")

@@ -86,10 +86,19 @@ class RunLogger:
         """Record an artifact as an MLflow dataset input carrying raypai's own digest."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        ds = Dataset(name=artifact.name, digest=artifact.digest[:36], source_type="raypai",
-                     source=artifact.uri, schema=None, profile=None)
-        tags = [InputTag("mlflow.data.context", context), InputTag("raypai.artifact_id", artifact.id),
-                InputTag("raypai.kind", artifact.kind)]
+        ds = Dataset(
+            name=artifact.name,
+            digest=artifact.digest[:36],
+            source_type="raypai",
+            source=artifact.uri,
+            schema=None,
+            profile=None,
+        )
+        tags = [
+            InputTag("mlflow.data.context", context),
+            InputTag("raypai.artifact_id", artifact.id),
+            InputTag("raypai.kind", artifact.kind),
+        ]
         self.client.log_inputs(self.run_id, datasets=[DatasetInput(ds, tags)])
 
 
@@ -100,8 +109,13 @@ ARTIFACT_TAG = "raypai.artifact_id"
 def lineage_tags(model, *, run_id: str, step_run_id: str, pipeline: str, inputs: dict) -> dict:
     """Registry tags of a model version: its artifact (id, digest), the run and step run that made it,
     and each input artifact (kind:digest prefix and id)."""
-    tags = {ARTIFACT_TAG: model.id, "raypai.digest": model.digest, "raypai.run_id": run_id,
-            "raypai.step_run_id": step_run_id, "raypai.pipeline": pipeline}
+    tags = {
+        ARTIFACT_TAG: model.id,
+        "raypai.digest": model.digest,
+        "raypai.run_id": run_id,
+        "raypai.step_run_id": step_run_id,
+        "raypai.pipeline": pipeline,
+    }
     tags.update({f"raypai.input.{k}": f"{a.kind}:{a.digest[:16]}" for k, a in inputs.items() if a is not None})
     tags.update({f"raypai.input.{k}.artifact_id": a.id for k, a in inputs.items() if a is not None})
     return tags
@@ -145,13 +159,15 @@ class Tracker:
                 raise
             return exp.experiment_id
 
-    def start_run(self, experiment: str, run_name: str, *, parent_run_id: str | None = None,
-                  tags: dict | None = None) -> str:
+    def start_run(
+        self, experiment: str, run_name: str, *, parent_run_id: str | None = None, tags: dict | None = None
+    ) -> str:
         all_tags = {"mlflow.runName": run_name, **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = self.client.create_run(self.experiment_id(experiment), run_name=run_name,
-                                     tags={k: str(v) for k, v in all_tags.items()})
+        run = self.client.create_run(
+            self.experiment_id(experiment), run_name=run_name, tags={k: str(v) for k, v in all_tags.items()}
+        )
         return run.info.run_id
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
@@ -165,13 +181,21 @@ class Tracker:
 
     def child_runs(self, parent_run_id: str) -> list:
         parent = self.client.get_run(parent_run_id)
-        return self.client.search_runs([parent.info.experiment_id],
-                                       filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+        return self.client.search_runs(
+            [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"
+        )
 
     # ---- model registry ------------------------------------------------------------------------
 
-    def register_model(self, model_dir: str | Path, name: str, *, run_id: str | None = None,
-                       tags: dict | None = None, alias: str | None = None) -> int:
+    def register_model(
+        self,
+        model_dir: str | Path,
+        name: str,
+        *,
+        run_id: str | None = None,
+        tags: dict | None = None,
+        alias: str | None = None,
+    ) -> int:
         """Upload an HF model folder under the run's `model/` and create a registry version."""
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").exists():
@@ -188,8 +212,9 @@ class Tracker:
                 self.client.create_registered_model(name)
             except Exception:  # noqa: BLE001 - created concurrently
                 pass
-        mv = self.client.create_model_version(name, source, run_id=run_id,
-                                              tags={k: str(v) for k, v in (tags or {}).items()})
+        mv = self.client.create_model_version(
+            name, source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()}
+        )
         version = int(mv.version)
         if alias:
             self.client.set_registered_model_alias(name, alias, str(version))
@@ -202,8 +227,11 @@ class Tracker:
         """(version, tags) of `name` at an alias ("champion") or a version number."""
         ref = str(ref)
         try:
-            mv = (self.client.get_model_version(name, ref) if ref.isdigit()
-                  else self.client.get_model_version_by_alias(name, ref))
+            mv = (
+                self.client.get_model_version(name, ref)
+                if ref.isdigit()
+                else self.client.get_model_version_by_alias(name, ref)
+            )
         except Exception as exc:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST and friends
             raise NotFoundError(
                 f"model {name!r} has no version or alias {ref!r} in the MLflow registry at {self.uri}; "
@@ -234,8 +262,7 @@ class Tracker:
             return target
         tmp = target.parent / f".{version}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True, exist_ok=True)
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp),
-                                                         tracking_uri=self.uri))
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=self.uri))
         try:
             local.rename(target)
         except OSError:

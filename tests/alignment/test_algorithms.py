@@ -13,8 +13,18 @@ import ray
 import torch
 from ray.util.state import list_actors
 
-from raypai.alignment import (DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, SFTConfig, run_dpo, run_grpo,
-                              run_ppo, run_sft, train_reward_model)
+from raypai.alignment import (
+    DPOConfig,
+    GRPOConfig,
+    PPOConfig,
+    RewardModelConfig,
+    SFTConfig,
+    run_dpo,
+    run_grpo,
+    run_ppo,
+    run_sft,
+    train_reward_model,
+)
 from raypai.alignment.checkpoint import has_checkpoint
 from raypai.alignment.data import preference_examples, prompt_examples, sft_examples
 from raypai.alignment.tasks import arithmetic as ar
@@ -43,8 +53,7 @@ class Sink:
 def sft(ray_align, tiny_model, tmp_path_factory):
     """SFT long enough to learn part of the table (held-out greedy accuracy ≈ 0.5), so RL has room."""
     out = tmp_path_factory.mktemp("sft") / "model"
-    metrics = run_sft(tiny_model, str(out), SFT_TRAIN, SFT_HELD, SFTConfig(steps=450, lr=3e-3),
-                      run_name="t-sft")
+    metrics = run_sft(tiny_model, str(out), SFT_TRAIN, SFT_HELD, SFTConfig(steps=450, lr=3e-3), run_name="t-sft")
     return str(out), metrics
 
 
@@ -52,9 +61,16 @@ def sloppy_rows(items, share: float = 0.6, seed: int = 0) -> list[dict]:
     """Two SFT rows per problem; in a seeded `share` of them the answer carries a stray "~" before
     the number, which the exact-match reward scores 0 (a formatting habit, not an arithmetic one)."""
     rng = random.Random(seed)
-    return [{"messages": [{"role": "user", "content": p.prompt},
-                          {"role": "assistant", "content": ("~" if rng.random() < share else "") + str(p.answer)}]}
-            for p in items for _ in range(2)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": p.prompt},
+                {"role": "assistant", "content": ("~" if rng.random() < share else "") + str(p.answer)},
+            ]
+        }
+        for p in items
+        for _ in range(2)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +84,14 @@ def sloppy_sft(sft, tmp_path_factory):
     prompt (0.3 → 0.75, 0.05 → 0.3 and 0.3 → 0.85 for seeds 0, 1, 2 of this set-up), so the held-out test can
     tell a GRPO that learns from one that does not."""
     out = tmp_path_factory.mktemp("sloppy") / "model"
-    run_sft(sft[0], str(out), sft_examples(sloppy_rows(TRAIN)), SFT_HELD, SFTConfig(steps=100, lr=1e-3),
-            run_name="t-sloppy-sft")
+    run_sft(
+        sft[0],
+        str(out),
+        sft_examples(sloppy_rows(TRAIN)),
+        SFT_HELD,
+        SFTConfig(steps=100, lr=1e-3),
+        run_name="t-sloppy-sft",
+    )
     return str(out)
 
 
@@ -85,16 +107,29 @@ def test_sft_lowers_response_loss_and_exports_an_hf_folder(sft):
 
 def test_reward_model_ranks_held_out_pairs(sft, tmp_path):
     # held-out pairs: wrong answers the reward model never saw
-    rm = train_reward_model(sft[0], str(tmp_path / "rm"), pairs(TRAIN, 0, 3), pairs(TRAIN, 7, 1), RewardModelConfig(steps=300, lr=5e-4, batch_size=32),
-                            run_name="t-rm")
+    rm = train_reward_model(
+        sft[0],
+        str(tmp_path / "rm"),
+        pairs(TRAIN, 0, 3),
+        pairs(TRAIN, 7, 1),
+        RewardModelConfig(steps=300, lr=5e-4, batch_size=32),
+        run_name="t-rm",
+    )
     # 0.76-0.89 over five seeds on this SFT model (chance 0.5; before training 0.40-0.54)
     assert rm["rm_eval_accuracy"] >= 0.7 and rm["rm_eval_accuracy"] > rm["rm_eval_accuracy_before"], rm
 
 
 def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     logger = Sink()
-    dpo = run_dpo(sft[0], str(tmp_path / "dpo"), pairs(TRAIN, 0, 1), pairs(HELD, 7, 1),
-                  DPOConfig(steps=25, lr=5e-4, beta=0.1), run_name="t-dpo", logger=logger)
+    dpo = run_dpo(
+        sft[0],
+        str(tmp_path / "dpo"),
+        pairs(TRAIN, 0, 1),
+        pairs(HELD, 7, 1),
+        DPOConfig(steps=25, lr=5e-4, beta=0.1),
+        run_name="t-dpo",
+        logger=logger,
+    )
     assert dpo["preference_accuracy_after"] > dpo["preference_accuracy_before"]
     assert dpo["margin_after"] > dpo["margin_before"]
     assert {"dpo/loss", "dpo/accuracy", "dpo/margin"} <= set(logger.rows[0][1])
@@ -103,17 +138,38 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
 
 def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_path, monkeypatch):
     logger, order = Sink(), UpdateOrder(monkeypatch)
-    cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
-                     eval_every=15)
-    g = run_grpo(sloppy_sft, str(tmp_path / "grpo"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo", logger=logger,
-                 rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"])
+    cfg = GRPOConfig(
+        steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3, eval_every=15
+    )
+    g = run_grpo(
+        sloppy_sft,
+        str(tmp_path / "grpo"),
+        PROMPTS,
+        HELD_PROMPTS,
+        cfg,
+        run_name="t-grpo",
+        logger=logger,
+        rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"],
+    )
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     assert order.waited_first() == list(range(1, 30))  # synchronous: every update is waited for in turn
     # and queued behind its samples and their scores with no round trip through the driver
     assert order.submitted_before_its_samples_were_waited_for() == [True] * 30
     logged = logger.rows[0][1]
-    for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "policy_loss",
-                "sync_seconds", "sync_bytes", "samples_per_s", "time_rollout", "time_train"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "entropy",
+        "clip_fraction",
+        "response_length",
+        "policy_loss",
+        "sync_seconds",
+        "sync_bytes",
+        "samples_per_s",
+        "time_rollout",
+        "time_train",
+    ):
         assert key in logged, key
     # beta = 0: no KL term, so no reference model was loaded (the state API lists the run's ended actors)
     ran = {a.name for a in list_actors(address=ray_align, limit=10_000) if (a.name or "").startswith("t-grpo/")}
@@ -160,8 +216,11 @@ class UpdateOrder:
             if kind != "submit":
                 continue
             gen = next(r for k, r in reversed(self.events[:i]) if k == "generate")
-            waited = [j for j, (k, r) in enumerate(self.events) if k == "get" and
-                      (r is gen or (isinstance(r, list) and any(x is gen for x in r)))]
+            waited = [
+                j
+                for j, (k, r) in enumerate(self.events)
+                if k == "get" and (r is gen or (isinstance(r, list) and any(x is gen for x in r)))
+            ]
             out.append(all(j > i for j in waited))
         return out
 
@@ -170,10 +229,26 @@ def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(slo
     """The next batch is generated while this one trains; the update's ratio is taken against the
     log-probs of the weights that sampled it, and held-out exact match still rises over SFT."""
     logger, order = Sink(), UpdateOrder(monkeypatch)
-    cfg = GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3,
-                     eval_every=15, async_rollout=True)
-    g = run_grpo(sloppy_sft, str(tmp_path / "grpo-async"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-grpo-async",
-                 logger=logger, rewards=EXACT)
+    cfg = GRPOConfig(
+        steps=30,
+        prompts_per_step=16,
+        group_size=8,
+        lr=5e-4,
+        aggregation="dapo",
+        max_new_tokens=3,
+        eval_every=15,
+        async_rollout=True,
+    )
+    g = run_grpo(
+        sloppy_sft,
+        str(tmp_path / "grpo-async"),
+        PROMPTS,
+        HELD_PROMPTS,
+        cfg,
+        run_name="t-grpo-async",
+        logger=logger,
+        rewards=EXACT,
+    )
     assert g["eval_reward_after"] > g["eval_reward_before"], g
     steps = [m for s, m in logger.rows if s is not None]
     # measured: the trainer's update count minus the version of the weights that sampled the batch
@@ -194,9 +269,18 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatc
     Each update is queued behind its samples, their scores and the reference's log-probs of the
     pairs with no round trip through the driver."""
     logger, order = Sink(), UpdateOrder(monkeypatch, "online_dpo_step_on")
-    o = run_dpo(sft[0], str(tmp_path / "odpo"), [], pairs(HELD, 1, 1),
-                DPOConfig(steps=20, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
-                prompts=PROMPTS, held_out=HELD_PROMPTS, rewards=EXACT, run_name="t-odpo", logger=logger)
+    o = run_dpo(
+        sft[0],
+        str(tmp_path / "odpo"),
+        [],
+        pairs(HELD, 1, 1),
+        DPOConfig(steps=20, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
+        prompts=PROMPTS,
+        held_out=HELD_PROMPTS,
+        rewards=EXACT,
+        run_name="t-odpo",
+        logger=logger,
+    )
     assert o["preference_accuracy_after"] > o["preference_accuracy_before"] and o["margin_after"] > o["margin_before"]
     assert {"eval_reward_before", "eval_reward_after"} <= set(o)
     assert all(m["dpo/pairs"] > 0 and m["dpo/sync_bytes"] > 0 for s, m in logger.rows if s is not None)
@@ -208,9 +292,17 @@ def test_ppo_trains_policy_and_critic(sft, tmp_path, monkeypatch):
     its samples, scores, log-probs and values with no round trip through the driver."""
     logger, order = Sink(), UpdateOrder(monkeypatch, "ppo_step_on")
     ckpt = tmp_path / "ppo-ckpt"
-    p = run_ppo(sft[0], str(tmp_path / "ppo"), PROMPTS, HELD_PROMPTS,
-                PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3, checkpoint_every=2), rewards=EXACT,
-                run_name="t-ppo", logger=logger, checkpoint_dir=str(ckpt))
+    p = run_ppo(
+        sft[0],
+        str(tmp_path / "ppo"),
+        PROMPTS,
+        HELD_PROMPTS,
+        PPOConfig(steps=6, prompts_per_step=16, max_new_tokens=3, checkpoint_every=2),
+        rewards=EXACT,
+        run_name="t-ppo",
+        logger=logger,
+        checkpoint_dir=str(ckpt),
+    )
     # checkpoints under per-step tags, the two newest kept; the critic has the tag the policy's latest names
     tag = (ckpt / "policy" / "latest").read_text().strip()
     assert sorted(d.name for d in (ckpt / "policy").iterdir() if d.is_dir()) == ["step-000004", "step-000006"]
@@ -233,11 +325,23 @@ def _running(pid: int) -> bool:
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tmp_path):
     ckpt = tmp_path / "ckpt"
     # beta > 0: the reference's log-probs enter the loss (its actor is placed and queried)
-    cfg = GRPOConfig(steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3,
-                     beta=0.04)
-    driver = ray.remote(run_grpo).options(num_cpus=0, max_retries=0).remote(
-        sft[0], str(tmp_path / "g1"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-kill", checkpoint_dir=str(ckpt),
-        rewards=EXACT)
+    cfg = GRPOConfig(
+        steps=12, prompts_per_step=4, group_size=4, checkpoint_every=2, eval_every=100, max_new_tokens=3, beta=0.04
+    )
+    driver = (
+        ray.remote(run_grpo)
+        .options(num_cpus=0, max_retries=0)
+        .remote(
+            sft[0],
+            str(tmp_path / "g1"),
+            PROMPTS,
+            HELD_PROMPTS,
+            cfg,
+            run_name="t-kill",
+            checkpoint_dir=str(ckpt),
+            rewards=EXACT,
+        )
+    )
     deadline = time.time() + 600  # generous: a loaded 2-core machine can take minutes to the first checkpoint
     while not has_checkpoint(ckpt) and time.time() < deadline:
         time.sleep(0.1)
@@ -245,8 +349,10 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tm
     trainer = ray.get_actor("t-kill/policy-0")
     # the process id from Ray's state API, not a method call on this handle: a handle looked up by name
     # while the run is busy once came without `__ray_call__`'s signature ("too many positional arguments")
-    [pid] = [a.pid for a in list_actors(address=ray_align, filters=[("name", "=", "t-kill/policy-0"),
-                                                                    ("state", "=", "ALIVE")])]
+    [pid] = [
+        a.pid
+        for a in list_actors(address=ray_align, filters=[("name", "=", "t-kill/policy-0"), ("state", "=", "ALIVE")])
+    ]
     ray.kill(trainer)  # the trainer's process dies mid-run
     with pytest.raises(ray.exceptions.RayError):
         ray.get(driver)
@@ -258,8 +364,17 @@ def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tm
     assert 2 <= saved < 12 and saved % 2 == 0
 
     logger = Sink()
-    resumed = run_grpo(sft[0], str(tmp_path / "g2"), PROMPTS, HELD_PROMPTS, cfg, run_name="t-resume",
-                       checkpoint_dir=str(ckpt), logger=logger, rewards=EXACT)
+    resumed = run_grpo(
+        sft[0],
+        str(tmp_path / "g2"),
+        PROMPTS,
+        HELD_PROMPTS,
+        cfg,
+        run_name="t-resume",
+        checkpoint_dir=str(ckpt),
+        logger=logger,
+        rewards=EXACT,
+    )
     steps = [s for s, _ in logger.rows if s is not None]
     assert steps == list(range(saved + 1, 13))  # continues after the last checkpoint, to the end
     assert resumed["steps_run"] == 12 - saved and (tmp_path / "g2" / "model.safetensors").exists()

@@ -13,8 +13,9 @@ from raypai.alignment.tasks.tiny import build_tiny_model
 def _raypai(*args, home, timeout=600):
     env = {**os.environ, "RAYPAI_HOME": str(home), "RAYPAI_RAY_NUM_CPUS": "8"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-m", "raypai.cli", *args], capture_output=True, text=True, env=env,
-                         timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "raypai.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
     out.text = " ".join((out.stdout + out.stderr).split())  # the console wraps long messages
     return out
 
@@ -26,14 +27,25 @@ def test_import_a_model_then_align_it_from_its_registry_uri(tmp_path):
 
     out = _raypai("model", "import", model, "--name", "qwen-tiny", home=home)
     assert out.returncode == 0, out.stdout + out.stderr
-    imported = json.loads(out.stdout[out.stdout.index("{"):])
+    imported = json.loads(out.stdout[out.stdout.index("{") :])
     assert imported["uri"] == "models:/qwen-tiny@base" and len(imported["digest"]) == 64
 
     (tmp_path / "sft.yaml").write_text("steps: 5\nlr: 0.003\nbatch_size: 4\n")
-    out = _raypai("align", "sft", "--model", "models:/qwen-tiny@base", "--data", data, "--out", str(tmp_path / "sft"),
-                  "--config", str(tmp_path / "sft.yaml"), home=home)
+    out = _raypai(
+        "align",
+        "sft",
+        "--model",
+        "models:/qwen-tiny@base",
+        "--data",
+        data,
+        "--out",
+        str(tmp_path / "sft"),
+        "--config",
+        str(tmp_path / "sft.yaml"),
+        home=home,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    metrics = json.loads(out.stdout[out.stdout.index("{"):])
+    metrics = json.loads(out.stdout[out.stdout.index("{") :])
     assert metrics["eval_examples"] == 3 and metrics["train_examples"] == 27  # the default 10% held out
     assert (tmp_path / "sft" / "model.safetensors").exists()
 
@@ -43,12 +55,25 @@ def test_align_refuses_bad_data_and_bad_rewards_before_ray_starts(tmp_path):
     model = build_tiny_model(tmp_path / "m", family="gpt2", hidden=32, layers=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "2+2=", "reply": "4"}) + "\n")
-    out = _raypai("align", "sft", "--model", model, "--data", str(bad), "--out", str(tmp_path / "o"), home=home,
-                  timeout=120)
+    out = _raypai(
+        "align", "sft", "--model", model, "--data", str(bad), "--out", str(tmp_path / "o"), home=home, timeout=120
+    )
     assert out.returncode != 0 and "has columns ['question', 'reply']" in out.text
     assert "Started a local Ray" not in out.stderr and not (tmp_path / "o").exists()
     prompts = ar.write_jsonl(ar.prompt_rows(ar.problems()[:4], chat=False), tmp_path / "p.jsonl")
-    out = _raypai("align", "grpo", "--model", model, "--data", prompts, "--out", str(tmp_path / "o"),
-                  "--reward", "no_such_pkg.rewards:accuracy", home=home, timeout=120)
+    out = _raypai(
+        "align",
+        "grpo",
+        "--model",
+        model,
+        "--data",
+        prompts,
+        "--out",
+        str(tmp_path / "o"),
+        "--reward",
+        "no_such_pkg.rewards:accuracy",
+        home=home,
+        timeout=120,
+    )
     assert out.returncode != 0 and "module 'no_such_pkg.rewards' does not import" in out.text
     assert "Started a local Ray" not in out.stderr

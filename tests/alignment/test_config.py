@@ -62,8 +62,12 @@ def test_numbers_written_as_text_are_read_and_wrong_types_named(tmp_path):
         assert cfg.lr == 0.003 and isinstance(cfg.lr, float) and cfg.steps == 40
     with pytest.raises(ConfigError) as err:
         from_dict("sft", {"steps": "many", "lr": [1], "truncation": 3, "batch_size": 2.5})
-    assert set(err.value.problems) == {"steps must be int (got str 'many')", "lr must be float (got list [1])",
-                                       "truncation must be str (got int 3)", "batch_size must be int (got float 2.5)"}
+    assert set(err.value.problems) == {
+        "steps must be int (got str 'many')",
+        "lr must be float (got list [1])",
+        "truncation must be str (got int 3)",
+        "batch_size must be int (got float 2.5)",
+    }
     assert "sft config (SFTConfig)" in str(err.value)  # which config the problems belong to
     (tmp_path / "bad.yaml").write_text("- steps\n- 3\n")
     with pytest.raises(ConfigError, match="expected a mapping of options"):
@@ -80,27 +84,42 @@ def test_gpu_requests_a_role_cannot_use_are_refused_naming_the_role_and_the_fix(
     from raypai.alignment.roles._device import role_device
 
     with pytest.raises(ConfigError) as err:
-        Placement("gpu-test", {"policy": RoleSpec(cpus=1, gpus=2), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
-                               "reward": RoleSpec(cpus=0.25)})
-    assert err.value.problems == ["role 'policy' asks for 2 GPUs: a role runs in one process on one device, so give "
-                                  "it at most 1 (a fraction shares one GPU)"]
+        Placement(
+            "gpu-test",
+            {
+                "policy": RoleSpec(cpus=1, gpus=2),
+                "rollout": RoleSpec(cpus=0.5, gpus=0.5),
+                "reward": RoleSpec(cpus=0.25),
+            },
+        )
+    assert err.value.problems == [
+        "role 'policy' asks for 2 GPUs: a role runs in one process on one device, so give "
+        "it at most 1 (a fraction shares one GPU)"
+    ]
     with pytest.raises(ConfigError, match=r"GRPOConfig.gpus must be in \[0, 1\] \(got 2\)"):
         GRPOConfig(gpus=2).validate()
     with pytest.raises(ConfigError, match="gpus with async_rollout=True is not supported"):
         GRPOConfig(gpus=1, async_rollout=True).validate()
     assert GRPOConfig(gpus=0.5).validate().gpus == 0.5
     if not torch.cuda.is_available():  # the message a CPU-only torch gives a GPU-placed role
-        with pytest.raises(ConfigError, match="role 'rollout' was placed with a GPU, but torch in its actor sees "
-                                              "no CUDA device .*install a CUDA build of torch"):
+        with pytest.raises(
+            ConfigError,
+            match="role 'rollout' was placed with a GPU, but torch in its actor sees "
+            "no CUDA device .*install a CUDA build of torch",
+        ):
             role_device("cuda", "rollout")
     assert role_device("cpu", "rollout").type == "cpu"
+
 
 def test_compile_rollout_is_refused_with_an_engine_it_does_not_compile():
     from raypai.alignment.config import DPOConfig, GRPOConfig, PPOConfig
 
     for cls in (GRPOConfig, PPOConfig, DPOConfig):
-        with pytest.raises(ConfigError, match=rf"{cls.__name__}.compile_rollout compiles raypai's own decoding step; "
-                                              r"it does not apply to rollout_engine 'hf' \(set rollout_engine='raypai'"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"{cls.__name__}.compile_rollout compiles raypai's own decoding step; "
+            r"it does not apply to rollout_engine 'hf' \(set rollout_engine='raypai'",
+        ):
             cls(compile_rollout=True, rollout_engine="hf").validate()
         assert cls(compile_rollout=True).validate().compile_rollout
 
@@ -115,8 +134,11 @@ def test_the_vllm_engine_without_vllm_names_the_install(tmp_path, monkeypatch):
     assert GRPOConfig(rollout_engine="vllm").validate().rollout_engine == "vllm"
     path = build_tiny_model(tmp_path / "m", family="qwen2")
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails here, whether or not it is installed
-    with pytest.raises(ConfigError, match=r"rollout_engine='vllm' needs vLLM in the rollout's environment: "
-                                          r"pip install 'raypai\[vllm\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout_engine='vllm' needs vLLM in the rollout's environment: "
+        r"pip install 'raypai\[vllm\]'",
+    ):
         Rollout(path, engine="vllm")
 
 

@@ -28,8 +28,15 @@ def qwen(tmp_path_factory):
 
 
 def test_formats_and_sources(tmp_path):
-    chats = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                           {"role": "assistant", "content": "hello"}]}]
+    chats = [
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        }
+    ]
     ar.write_jsonl(chats, tmp_path / "a.jsonl")
     pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "completion": "2"}]), tmp_path / "b.parquet")
     rows = load_rows(tmp_path)  # a folder of JSONL + Parquet
@@ -37,8 +44,14 @@ def test_formats_and_sources(tmp_path):
     assert ex[0].messages[2]["content"] == "hello" and ex[1].prompt == "1+1=" and ex[1].completion == "2"
     # the implicit prompt: chosen/rejected conversations sharing their opening turns
     user = {"role": "user", "content": "2+2="}
-    [p] = preference_examples([{"chosen": [user, {"role": "assistant", "content": "4"}],
-                                "rejected": [user, {"role": "assistant", "content": "5"}]}])
+    [p] = preference_examples(
+        [
+            {
+                "chosen": [user, {"role": "assistant", "content": "4"}],
+                "rejected": [user, {"role": "assistant", "content": "5"}],
+            }
+        ]
+    )
     assert p.prompt == [user] and p.chosen[0]["content"] == "4" and p.rejected[0]["content"] == "5"
     [q] = prompt_examples([{"prompt": "3+4=", "answer": 7, "tests": ["x"]}])
     assert q.extras == {"answer": 7, "tests": ["x"]}
@@ -46,19 +59,28 @@ def test_formats_and_sources(tmp_path):
     datasets.Dataset.from_list([{"prompt": "a", "completion": "b"}] * 3).save_to_disk(str(tmp_path / "hf"))
     assert len(load(tmp_path / "hf", "sft")) == 3
     train, held = split(list(range(10)), 0.2, seed=1)
-    assert len(held) == 2 and sorted(train + held) == list(range(10)) and split(list(range(10)), 0.2, 1) == (train, held)
+    assert (
+        len(held) == 2 and sorted(train + held) == list(range(10)) and split(list(range(10)), 0.2, 1) == (train, held)
+    )
 
 
-@pytest.mark.parametrize("rows, kind, match", [
-    ([{"text": "x", "label": 1}], "sft", r"has columns \['label', 'text'\].*accepted: \{'messages'"),
-    ([{"question": "q"}], "prompt", r"has columns \['question'\].*'prompt'"),
-    ([{"prompt": "p", "chosen": "c"}], "preference", r"has columns \['chosen', 'prompt'\].*'rejected'"),
-    ([{"prompt": 3, "completion": "x"}], "sft", r"row 0: prompt must be a string or a list of"),
-    ([{"messages": [{"role": "user", "content": "hi"}]}], "sft", r"row 0: `messages` needs at least one assistant"),
-    ([{"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}], "sft", "both be strings"),
-    ([], "sft", "is empty"),
-    ([{"prompt": "a", "answer": 1}, {"prompt": "b"}], "prompt", r"row 1 has extra columns \[\], row 0 has \['answer'\]"),
-])
+@pytest.mark.parametrize(
+    "rows, kind, match",
+    [
+        ([{"text": "x", "label": 1}], "sft", r"has columns \['label', 'text'\].*accepted: \{'messages'"),
+        ([{"question": "q"}], "prompt", r"has columns \['question'\].*'prompt'"),
+        ([{"prompt": "p", "chosen": "c"}], "preference", r"has columns \['chosen', 'prompt'\].*'rejected'"),
+        ([{"prompt": 3, "completion": "x"}], "sft", r"row 0: prompt must be a string or a list of"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "sft", r"row 0: `messages` needs at least one assistant"),
+        ([{"prompt": "p", "completion": [{"role": "assistant", "content": "c"}]}], "sft", "both be strings"),
+        ([], "sft", "is empty"),
+        (
+            [{"prompt": "a", "answer": 1}, {"prompt": "b"}],
+            "prompt",
+            r"row 1 has extra columns \[\], row 0 has \['answer'\]",
+        ),
+    ],
+)
 def test_bad_rows_get_one_clear_error(rows, kind, match):
     with pytest.raises(DataError, match=match):
         load(rows, kind)
@@ -108,7 +130,9 @@ def test_model_and_format_errors_come_before_any_actor(tmp_path, gpt2, qwen):
     fmt = ChatFormat.from_pretrained(gpt2)
     long_prompts = prompt_examples([{"prompt": "1+1=" * 20, "answer": 2}])
     with pytest.raises(DataError, match="training prompt 0 is .* exceeds the context of 32"):
-        run_grpo(gpt2, str(tmp_path / "o"), long_prompts, long_prompts, GRPOConfig(steps=1), rewards=[ar.exact_match_reward])
+        run_grpo(
+            gpt2, str(tmp_path / "o"), long_prompts, long_prompts, GRPOConfig(steps=1), rewards=[ar.exact_match_reward]
+        )
     with pytest.raises(ConfigError, match="GRPO needs a reward"):
         run_grpo(qwen, str(tmp_path / "o"), long_prompts, long_prompts, GRPOConfig(steps=1))
     assert fmt.stop_ids == (fmt.tok.eos_token_id,)
@@ -120,14 +144,34 @@ def test_a_reward_that_breaks_is_named_at_the_first_step(ray_plain, qwen, tmp_pa
     def nan_on_second(prompts, completions, answer, **_):
         return [math.nan if i == 1 else 0.0 for i in range(len(completions))]
 
-    with pytest.raises(RewardError, match=r"reward nan_on_second returned nan for sample 1 \(prompt \"\[\{'role': 'user', 'content': '0\+1='"):
-        run_grpo(qwen, str(tmp_path / "o"), prompts, prompts, GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
-                 rewards=[nan_on_second], run_name="t-bad-reward")
+    with pytest.raises(
+        RewardError,
+        match=r"reward nan_on_second returned nan for sample 1 \(prompt \"\[\{'role': 'user', 'content': '0\+1='",
+    ):
+        run_grpo(
+            qwen,
+            str(tmp_path / "o"),
+            prompts,
+            prompts,
+            GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
+            rewards=[nan_on_second],
+            run_name="t-bad-reward",
+        )
 
     def strips(prompts, completions, answer, **_):  # written for plain strings; conversational data gives messages
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
-    with pytest.raises(RewardError, match=r"reward strips raised AttributeError: 'list' object has no attribute "
-                                          r"'strip'\. .*as lists of messages .*completion\[0\]\['content'\].*\['answer'\]"):
-        run_grpo(qwen, str(tmp_path / "o2"), prompts, prompts, GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
-                 rewards=[strips], run_name="t-raising-reward")
+    with pytest.raises(
+        RewardError,
+        match=r"reward strips raised AttributeError: 'list' object has no attribute "
+        r"'strip'\. .*as lists of messages .*completion\[0\]\['content'\].*\['answer'\]",
+    ):
+        run_grpo(
+            qwen,
+            str(tmp_path / "o2"),
+            prompts,
+            prompts,
+            GRPOConfig(steps=2, prompts_per_step=2, group_size=2),
+            rewards=[strips],
+            run_name="t-raising-reward",
+        )

@@ -32,8 +32,9 @@ def test_the_lean_forward_covers_llama_and_qwen2_and_leaves_gpt2_to_its_own_forw
 
 # the lean forward shrinking the batch as rows end (the CPU's default), the lean forward's fixed-shape
 # step (what CUDA replays as a graph; run eagerly here), and the model's own forward
-ENGINES = pytest.mark.parametrize("lean, static", [(True, False), (True, True), (False, False)],
-                                  ids=["lean", "lean-static", "model-forward"])
+ENGINES = pytest.mark.parametrize(
+    "lean, static", [(True, False), (True, True), (False, False)], ids=["lean", "lean-static", "model-forward"]
+)
 
 
 @ENGINES
@@ -41,20 +42,35 @@ def test_greedy_tokens_are_those_of_hf_generate(family_model, lean, static):
     model, fmt = family_model
     prompts = _prompts(fmt)
     stops = list(fmt.stop_ids)
-    mine = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stops, max_new_tokens=12, temperature=0,
-                  lean=lean, static=static)
+    mine = decode(
+        model,
+        prompts,
+        pad_id=fmt.tok.pad_token_id,
+        stop_ids=stops,
+        max_new_tokens=12,
+        temperature=0,
+        lean=lean,
+        static=static,
+    )
     for p, got in zip(prompts, mine.tokens):  # one prompt at a time: no padding on HF's side
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=12, do_sample=False, eos_token_id=stops,
-                             pad_token_id=fmt.tok.pad_token_id)[0, len(p):].tolist()
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=fmt.tok.pad_token_id,
+        )[0, len(p) :].tolist()
         cut = next((j for j, t in enumerate(ref) if t in stops), None)
-        assert got == (ref if cut is None else ref[:cut + 1])
+        assert got == (ref if cut is None else ref[: cut + 1])
 
 
 # and the fixed-shape step through torch.compile (`compile_rollout`; GPT-2 falls back to its own forward)
-@pytest.mark.parametrize("lean, static, compiled", [(True, False, False), (True, True, False), (False, False, False),
-                                                    (True, None, True)],
-                         ids=["lean", "lean-static", "model-forward", "lean-compiled"])
+@pytest.mark.parametrize(
+    "lean, static, compiled",
+    [(True, False, False), (True, True, False), (False, False, False), (True, None, True)],
+    ids=["lean", "lean-static", "model-forward", "lean-compiled"],
+)
 def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family_model, lean, static, compiled):
     model, fmt = family_model
     prompts = _prompts(fmt) * 4
@@ -62,8 +78,18 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
     # a model this small rarely emits its stop token; stop on two frequent tokens as well so rows end early
     frequent = torch.topk(model(torch.tensor([prompts[0]])).logits[0, -1], 2).indices.tolist()
     g = torch.Generator().manual_seed(3)
-    d = decode(model, prompts, pad_id=fmt.tok.pad_token_id, stop_ids=stop + frequent, max_new_tokens=10,
-               generator=g, logprobs=True, lean=lean, static=static, compiled=compiled)
+    d = decode(
+        model,
+        prompts,
+        pad_id=fmt.tok.pad_token_id,
+        stop_ids=stop + frequent,
+        max_new_tokens=10,
+        generator=g,
+        logprobs=True,
+        lean=lean,
+        static=static,
+        compiled=compiled,
+    )
     if compiled and lean_decoder(model) is not None:
         assert _decode._compiled_step is not None  # the step ran through torch.compile
     ended = [t for t in d.tokens if t and t[-1] in stop + frequent]
@@ -72,12 +98,15 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
         assert all(t not in stop + frequent for t in toks[:-1])  # nothing after a stop token
         assert 1 <= len(toks) <= 10
     # the log-probs returned with the samples equal a full forward pass over prompt + completion
-    batch = pad([p + t for p, t in zip(prompts, d.tokens)], [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, d.tokens)],
-                fmt.tok.pad_token_id)
+    batch = pad(
+        [p + t for p, t in zip(prompts, d.tokens)],
+        [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, d.tokens)],
+        fmt.tok.pad_token_id,
+    )
     with torch.no_grad():
         full = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
     for i, (p, lp) in enumerate(zip(prompts, d.logprobs)):
-        assert torch.allclose(lp, full[i, len(p) - 1:len(p) - 1 + len(lp)], atol=1e-4)
+        assert torch.allclose(lp, full[i, len(p) - 1 : len(p) - 1 + len(lp)], atol=1e-4)
 
 
 def test_sampling_follows_temperature_and_top_p():
@@ -116,8 +145,10 @@ def test_both_rollout_engines_give_the_same_greedy_completions_and_log_probs(tmp
 
     path = build_tiny_model(tmp_path / "m", family="qwen2")
     prompts = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "a longer one: 13+27="}]]
-    outs = [Rollout(str(path), engine=e).generate(prompts, n=2, max_new_tokens=6, temperature=0, logprobs=True)
-            for e in ("raypai", "hf")]
+    outs = [
+        Rollout(str(path), engine=e).generate(prompts, n=2, max_new_tokens=6, temperature=0, logprobs=True)
+        for e in ("raypai", "hf")
+    ]
     assert outs[0]["completions"] == outs[1]["completions"] and outs[0]["seqs"] == outs[1]["seqs"]
     mask = outs[0]["batch"]["response_mask"]
     torch.testing.assert_close(outs[0]["logprobs"] * mask, outs[1]["logprobs"] * mask, atol=1e-4, rtol=0)

@@ -72,10 +72,23 @@ def family(request, ray_plain, user_files, tmp_path_factory):
     d = tmp_path_factory.mktemp(fam)
     base = build_tiny_model(d / "base", family=fam, hidden=64, layers=2)
     tag = "chat" if CHAT[fam] else "plain"
-    sft = run_sft(base, str(d / "sft"), load(user_files[f"sft_{tag}"], "sft"), load(user_files[f"sft_{tag}_held"], "sft"),
-                  SFTConfig(steps=300, lr=3e-3, batch_size=16), run_name=f"fam-sft-{fam}")
-    return {"name": fam, "dir": d, "base": base, "sft": str(d / "sft"), "sft_metrics": sft, "tag": tag,
-            "end": FAMILIES[fam]}
+    sft = run_sft(
+        base,
+        str(d / "sft"),
+        load(user_files[f"sft_{tag}"], "sft"),
+        load(user_files[f"sft_{tag}_held"], "sft"),
+        SFTConfig(steps=300, lr=3e-3, batch_size=16),
+        run_name=f"fam-sft-{fam}",
+    )
+    return {
+        "name": fam,
+        "dir": d,
+        "base": base,
+        "sft": str(d / "sft"),
+        "sft_metrics": sft,
+        "tag": tag,
+        "end": FAMILIES[fam],
+    }
 
 
 def test_sft_lowers_held_out_loss_in_the_family_format(family):
@@ -93,17 +106,30 @@ def test_sft_prompt_completion_format_also_learns(family, user_files):
         assert m["eval_response_loss_after"] < 0.5 * m["eval_response_loss_before"], m
         return
     out = family["dir"] / "sft-plain"
-    m = run_sft(family["base"], str(out), load(user_files["sft_plain"], "sft"), load(user_files["sft_plain_held"], "sft"),
-                SFTConfig(steps=40, lr=3e-3), run_name=f"fam-sftp-{family['name']}")
+    m = run_sft(
+        family["base"],
+        str(out),
+        load(user_files["sft_plain"], "sft"),
+        load(user_files["sft_plain_held"], "sft"),
+        SFTConfig(steps=40, lr=3e-3),
+        run_name=f"fam-sftp-{family['name']}",
+    )
     assert m["eval_response_loss_after"] < 0.5 * m["eval_response_loss_before"], m
 
 
 def test_dpo_from_a_preference_file_raises_preference_accuracy(family, user_files):
     tag = family["tag"]
-    d = run_dpo(family["sft"], str(family["dir"] / "dpo"), load(user_files[f"prefs_{tag}"], "preference"),
-                load(user_files[f"prefs_{tag}_held"], "preference"), DPOConfig(steps=25, lr=5e-4, beta=0.1),
-                run_name=f"fam-dpo-{family['name']}")
-    assert d["preference_accuracy_after"] > d["preference_accuracy_before"] and d["margin_after"] > d["margin_before"], d
+    d = run_dpo(
+        family["sft"],
+        str(family["dir"] / "dpo"),
+        load(user_files[f"prefs_{tag}"], "preference"),
+        load(user_files[f"prefs_{tag}_held"], "preference"),
+        DPOConfig(steps=25, lr=5e-4, beta=0.1),
+        run_name=f"fam-dpo-{family['name']}",
+    )
+    assert (
+        d["preference_accuracy_after"] > d["preference_accuracy_before"] and d["margin_after"] > d["margin_before"]
+    ), d
 
 
 class _Rows:
@@ -148,10 +174,24 @@ def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(fami
     held = load(user_files[f"prompts_{tag}_held"], "prompt")
     out = str(family["dir"] / "grpo")
     logger = _Rows()
-    g = run_grpo(family["sft"], out, train, held,
-                 GRPOConfig(steps=30, prompts_per_step=16, group_size=8, lr=1e-3, max_new_tokens=4, eval_every=100,
-                            async_rollout=family["name"] in ASYNC),
-                 rewards=["fam_rewards:exact_answer"], run_name=f"fam-grpo-{family['name']}", logger=logger)
+    g = run_grpo(
+        family["sft"],
+        out,
+        train,
+        held,
+        GRPOConfig(
+            steps=30,
+            prompts_per_step=16,
+            group_size=8,
+            lr=1e-3,
+            max_new_tokens=4,
+            eval_every=100,
+            async_rollout=family["name"] in ASYNC,
+        ),
+        rewards=["fam_rewards:exact_answer"],
+        run_name=f"fam-grpo-{family['name']}",
+        logger=logger,
+    )
     lags = [m["policy_lag_steps"] for step, m in logger.rows if step is not None]
     assert lags == ([0] + [1] * 29 if family["name"] in ASYNC else [0] * 30), lags  # async: one step behind
     before, after = (_sampled_reward(m, TRAIN, CHAT[family["name"]]) for m in (family["sft"], out))
@@ -179,17 +219,33 @@ def test_online_dpo_and_ppo_hand_their_phases_over_on_the_family(family, user_fi
     held = load(user_files[f"prompts_{tag}_held"], "prompt")[:4]
     logger = _Rows()
     out = str(family["dir"] / "odpo")
-    run_dpo(family["sft"], out, [], load(user_files[f"prefs_{tag}_held"], "preference"),
-            DPOConfig(steps=4, batch_size=8, num_samples=4, max_new_tokens=4, lr=1e-3, online=True),
-            prompts=train, held_out=held, rewards=["fam_rewards:exact_answer"], run_name=f"fam-odpo-{name}",
-            logger=logger)
+    run_dpo(
+        family["sft"],
+        out,
+        [],
+        load(user_files[f"prefs_{tag}_held"], "preference"),
+        DPOConfig(steps=4, batch_size=8, num_samples=4, max_new_tokens=4, lr=1e-3, online=True),
+        prompts=train,
+        held_out=held,
+        rewards=["fam_rewards:exact_answer"],
+        run_name=f"fam-odpo-{name}",
+        logger=logger,
+    )
     steps = [m for step, m in logger.rows if step is not None]
     assert steps and all(m["dpo/pairs"] > 0 and torch.isfinite(torch.tensor(m["dpo/loss"])) for m in steps), steps
     assert _moved(out, family["sft"])
     logger = _Rows()
     out = str(family["dir"] / "ppo")
-    p = run_ppo(family["sft"], out, train, held, PPOConfig(steps=2, prompts_per_step=8, max_new_tokens=4, ppo_epochs=1),
-                rewards=["fam_rewards:exact_answer"], run_name=f"fam-ppo-{name}", logger=logger)
+    p = run_ppo(
+        family["sft"],
+        out,
+        train,
+        held,
+        PPOConfig(steps=2, prompts_per_step=8, max_new_tokens=4, ppo_epochs=1),
+        rewards=["fam_rewards:exact_answer"],
+        run_name=f"fam-ppo-{name}",
+        logger=logger,
+    )
     steps = [m for step, m in logger.rows if step is not None]
     assert p["steps_run"] == 2 == len(steps)
     assert all(torch.isfinite(torch.tensor([m["policy_loss"], m["value_loss"], m["kl"]])).all() for m in steps), steps
@@ -208,8 +264,9 @@ def test_export_loads_in_plain_transformers_and_stops_at_the_family_end_token(fa
     prompt = [{"role": "user", "content": "2+3="}] if CHAT[family["name"]] else "2+3="
     ids = torch.tensor([fmt.prompt_ids(prompt)])
     with torch.no_grad():
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id
+        )[0, ids.shape[1] :].tolist()
     assert end_id in gen and len(gen) < 8, tok.convert_ids_to_tokens(gen)  # stopped at the end token
     assert gen.index(end_id) == len(gen) - 1
 
@@ -242,10 +299,13 @@ def serving_stack(ray_plain, tmp_path_factory):
     deadline = time.time() + 60
     while not server.started and time.time() < deadline:
         time.sleep(0.1)
-    yield {"api": f"http://127.0.0.1:{port}", "tracker": Tracker(settings.mlflow_tracking_uri,
-                                                                artifact_root=home / "mlartifacts"),
-           "deploy": store.create_token("d", ["deploy"]), "infer": store.create_token("i", ["infer"]),
-           "openai": f"http://127.0.0.1:{os.environ['RAYPAI_SERVE_PORT']}/v1"}
+    yield {
+        "api": f"http://127.0.0.1:{port}",
+        "tracker": Tracker(settings.mlflow_tracking_uri, artifact_root=home / "mlartifacts"),
+        "deploy": store.create_token("d", ["deploy"]),
+        "infer": store.create_token("i", ["infer"]),
+        "openai": f"http://127.0.0.1:{os.environ['RAYPAI_SERVE_PORT']}/v1",
+    }
     server.should_exit = True
     serve.shutdown()
     if before is None:
@@ -259,14 +319,18 @@ def test_each_family_deploys_and_answers_the_openai_api_stopping_at_its_end_toke
     import openai
 
     version = serving_stack["tracker"].register_model(family.get("grpo", family["sft"]), f"fam-{family['name']}")
-    r = httpx.post(f"{serving_stack['api']}/api/v1/deployments", timeout=300,
-                   headers={"Authorization": f"Bearer {serving_stack['deploy']}"},
-                   json={"name": family["name"], "model": f"fam-{family['name']}", "version": version})
+    r = httpx.post(
+        f"{serving_stack['api']}/api/v1/deployments",
+        timeout=300,
+        headers={"Authorization": f"Bearer {serving_stack['deploy']}"},
+        json={"name": family["name"], "model": f"fam-{family['name']}", "version": version},
+    )
     assert r.status_code == 201, r.text
     client = openai.OpenAI(base_url=serving_stack["openai"], api_key=serving_stack["infer"])
     if CHAT[family["name"]]:
-        out = client.chat.completions.create(model=family["name"], messages=[{"role": "user", "content": "2+3="}],
-                                             max_tokens=8, temperature=0)
+        out = client.chat.completions.create(
+            model=family["name"], messages=[{"role": "user", "content": "2+3="}], max_tokens=8, temperature=0
+        )
         text, reason = out.choices[0].message.content, out.choices[0].finish_reason
     else:
         out = client.completions.create(model=family["name"], prompt="2+3=", max_tokens=8, temperature=0)

@@ -10,13 +10,28 @@ import torch
 from raypai.alignment._lean import lean_supported, shared_prefixes
 from raypai.alignment._tensors import pad, token_logprobs
 
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _model(family: str):
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     if family == "llama":
@@ -27,8 +42,20 @@ def _model(family: str):
         return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
     if family == "mistral-sliding":
         return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8))
-    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=97,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def _batch(side: str):
@@ -41,8 +68,8 @@ def _batch(side: str):
     resp = torch.zeros((len(lengths), T - 1))
     for i, n in enumerate(lengths):
         start = 0 if side == "right" else T - n
-        att[i, start:start + n] = 1
-        resp[i, start + n - 5:start + n - 1] = 1  # label positions of the row's last 4 tokens
+        att[i, start : start + n] = 1
+        resp[i, start + n - 5 : start + n - 1] = 1  # label positions of the row's last 4 tokens
     return ids, att, resp
 
 
@@ -84,8 +111,15 @@ def _grouped_batch():
 
 
 # on CUDA the grouped attention under a mask runs on other kernels (cuDNN on an H200)
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py checks the same on one)")])
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py checks the same on one)"
+        ),
+    ],
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

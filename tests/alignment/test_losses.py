@@ -5,9 +5,20 @@ import math
 import pytest
 import torch
 
-from raypai.alignment.losses import (ChosenRejected, aggregate, bradley_terry_loss, clipped_surrogate,
-                                     clipped_value_loss, dpo_loss, gae, grpo_advantages, grpo_loss, k3_kl,
-                                     kl_penalized_rewards, masked_whiten)
+from raypai.alignment.losses import (
+    ChosenRejected,
+    aggregate,
+    bradley_terry_loss,
+    clipped_surrogate,
+    clipped_value_loss,
+    dpo_loss,
+    gae,
+    grpo_advantages,
+    grpo_loss,
+    k3_kl,
+    kl_penalized_rewards,
+    masked_whiten,
+)
 
 
 def test_dpo_sigmoid_ipo_hinge_and_label_smoothing():
@@ -21,7 +32,8 @@ def test_dpo_sigmoid_ipo_hinge_and_label_smoothing():
     out = dpo_loss(pol, ref, beta=0.5)
     assert out.loss.item() == pytest.approx(math.log1p(math.exp(-1)), abs=1e-6)
     assert dpo_loss(pol, ref, beta=0.5, label_smoothing=0.1).loss.item() == pytest.approx(
-        0.9 * math.log1p(math.exp(-1)) + 0.1 * math.log1p(math.e), abs=1e-6)
+        0.9 * math.log1p(math.exp(-1)) + 0.1 * math.log1p(math.e), abs=1e-6
+    )
     one = ChosenRejected(torch.tensor([1.0]), torch.tensor([1.0]))  # one-token responses: mean = sum
     assert dpo_loss(pol, ref, beta=0.5, loss_type="ipo", lengths=one).loss.item() == pytest.approx(1.0)
     assert dpo_loss(pol, ref, beta=0.5, loss_type="hinge").loss.item() == pytest.approx(0.0)
@@ -39,8 +51,13 @@ def test_ipo_uses_per_token_mean_log_ratios_on_unequal_lengths():
     ref = ChosenRejected(torch.tensor([-8.0]), torch.tensor([-4.0]))
     lengths = ChosenRejected(torch.tensor([4.0]), torch.tensor([2.0]))
     assert dpo_loss(pol, ref, beta=0.5, loss_type="ipo", lengths=lengths).loss.item() == pytest.approx(1.0)
-    doubled = dpo_loss(ChosenRejected(pol.chosen * 2, pol.rejected * 2), ChosenRejected(ref.chosen * 2, ref.rejected * 2),
-                       beta=0.5, loss_type="ipo", lengths=ChosenRejected(lengths.chosen * 2, lengths.rejected * 2))
+    doubled = dpo_loss(
+        ChosenRejected(pol.chosen * 2, pol.rejected * 2),
+        ChosenRejected(ref.chosen * 2, ref.rejected * 2),
+        beta=0.5,
+        loss_type="ipo",
+        lengths=ChosenRejected(lengths.chosen * 2, lengths.rejected * 2),
+    )
     assert doubled.loss.item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="needs the response lengths"):
         dpo_loss(pol, ref, beta=0.5, loss_type="ipo")
@@ -106,8 +123,9 @@ def test_gae_and_value_clipping():
     assert adv.tolist()[0] == pytest.approx([0.25, 0.5]) and ret.tolist()[0] == pytest.approx([0.75, 1.0])
     vl = clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[0.0]]), torch.ones(1, 1))
     assert vl.item() == pytest.approx(0.5)
-    r = kl_penalized_rewards(torch.tensor([2.0]), torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]),
-                             torch.ones(1, 2), kl_coef=0.1)
+    r = kl_penalized_rewards(
+        torch.tensor([2.0]), torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2), kl_coef=0.1
+    )
     assert r.tolist()[0] == pytest.approx([0.0, 2.1])  # −0.1·(−1 − 0) + 2 at the last token
 
 
@@ -132,8 +150,13 @@ def test_gae_stops_at_the_end_of_each_completion():
     """Row [prompt, c1, c2, pad] with mask [0, 1, 1, 0], γ = λ = 1, r = [0, 0, 1, 5], V = [9, 0.5, 0.5, 9]:
     the pad's reward and value never leak in. Â_2 = 1 + 0 − 0.5 = 0.5; Â_1 = 0 + 0.5 − 0.5 + 0.5 = 0.5;
     prompt and pad positions get 0."""
-    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0, 5.0]]), torch.tensor([[9.0, 0.5, 0.5, 9.0]]),
-                   torch.tensor([[0, 1, 1, 0]]), gamma=1.0, lam=1.0)
+    adv, ret = gae(
+        torch.tensor([[0.0, 0.0, 1.0, 5.0]]),
+        torch.tensor([[9.0, 0.5, 0.5, 9.0]]),
+        torch.tensor([[0, 1, 1, 0]]),
+        gamma=1.0,
+        lam=1.0,
+    )
     assert adv.tolist()[0] == pytest.approx([0.0, 0.5, 0.5, 0.0])
     assert ret.tolist()[0] == pytest.approx([0.0, 1.0, 1.0, 0.0])
 
@@ -147,14 +170,24 @@ def test_every_loss_and_advantage_stays_on_its_inputs_device_and_dtype(device, d
     t = lambda *shape: torch.randn(*shape, dtype=dtype).to(device)  # noqa: E731
     mask = torch.ones(B, T, dtype=dtype).to(device)
     lp, old, ref, values = t(B, T), t(B, T), t(B, T), t(B, T)
-    outs = [dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1).loss,
-            dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1, loss_type="ipo",
-                     lengths=ChosenRejected(t(B), t(B))).loss,
-            bradley_terry_loss(t(B), t(B), margin=0.5)[0],
-            grpo_advantages(t(B), 2), k3_kl(lp, ref),
-            grpo_loss(lp, old, ref, t(B), mask, clip_eps=0.2, clip_eps_high=None, beta=0.04, aggregation="dapo")[0],
-            clipped_surrogate(lp, old, t(B, T), clip_eps=0.2)[0], masked_whiten(lp, mask),
-            kl_penalized_rewards(t(B), lp, ref, mask, 0.05), *gae(t(B, T), values, mask, 1.0, 0.95),
-            clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2)]
+    outs = [
+        dpo_loss(ChosenRejected(t(B), t(B)), ChosenRejected(t(B), t(B)), beta=0.1).loss,
+        dpo_loss(
+            ChosenRejected(t(B), t(B)),
+            ChosenRejected(t(B), t(B)),
+            beta=0.1,
+            loss_type="ipo",
+            lengths=ChosenRejected(t(B), t(B)),
+        ).loss,
+        bradley_terry_loss(t(B), t(B), margin=0.5)[0],
+        grpo_advantages(t(B), 2),
+        k3_kl(lp, ref),
+        grpo_loss(lp, old, ref, t(B), mask, clip_eps=0.2, clip_eps_high=None, beta=0.04, aggregation="dapo")[0],
+        clipped_surrogate(lp, old, t(B, T), clip_eps=0.2)[0],
+        masked_whiten(lp, mask),
+        kl_penalized_rewards(t(B), lp, ref, mask, 0.05),
+        *gae(t(B, T), values, mask, 1.0, 0.95),
+        clipped_value_loss(values, t(B, T), t(B, T), mask, 0.2),
+    ]
     for out in outs:
         assert out.device.type == device and out.dtype == dtype, (out.device, out.dtype)

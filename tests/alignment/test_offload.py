@@ -10,14 +10,28 @@ import transformers
 from raypai.alignment.offload import sleep
 from raypai.errors import TrainError
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")])
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)",
+        ),
+    ],
+)
 DEVICES = ["cpu", CUDA]
 
 
 def _llama(device: str = "cpu", seed: int = 0):
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -91,8 +105,10 @@ def test_round_trip_is_bitwise_and_keeps_every_object(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)",
+)
 def test_sleep_hands_the_memory_back_to_the_device():
     """The freed blocks leave torch's cache too, so that another process (the colocated rollout engine)
     can take them: torch's reserved memory falls by most of the 64 MiB moved (a 16 MiB weight, its
@@ -164,8 +180,10 @@ def test_views_of_one_storage_share_it_again_after_wake(device):
     assert model.a.untyped_storage().data_ptr() == model.b.untyped_storage().data_ptr()
     assert model.b.storage_offset() == 4 and model.a.device.type == device
     model.b.data[0, 0] = -1.0  # a write through one view shows in the shared storage
-    assert torch.equal(torch.empty(0, device=device).set_(model.a.untyped_storage()),
-                       torch.tensor([0, 1, 2, 3, -1, 5, 6, 7, 8, 9], dtype=torch.float32, device=device))
+    assert torch.equal(
+        torch.empty(0, device=device).set_(model.a.untyped_storage()),
+        torch.tensor([0, 1, 2, 3, -1, 5, 6, 7, 8, 9], dtype=torch.float32, device=device),
+    )
 
 
 def test_sleeping_twice_or_waking_twice_names_the_model_and_the_fix():
@@ -216,8 +234,10 @@ def test_an_optimizer_wrapped_as_dot_optimizer_is_reached(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (these passed on an H200; benchmarks/gpu_check.py times sleep/wake on one)",
+)
 def test_pinned_host_buffers_are_reused_by_the_next_sleep():
     """The second sleep copies into the pages the first one pinned; pin=False copies into fresh, unpinned
     memory and keeps nothing."""

@@ -19,10 +19,15 @@ def test_stacked_chosen_and_rejected_match_separate_forwards(tiny_model):
     both = stack_right_padded(chosen, rejected)
     assert both["input_ids"].shape == (6, 15) and both["response_mask"].shape == (6, 14)
     with torch.no_grad():
-        together = sequence_logprob(token_logprobs(model, both["input_ids"], both["attention_mask"]),
-                                    both["response_mask"])
-        alone = torch.cat([sequence_logprob(token_logprobs(model, b["input_ids"], b["attention_mask"]),
-                                            b["response_mask"]) for b in (chosen, rejected)])
+        together = sequence_logprob(
+            token_logprobs(model, both["input_ids"], both["attention_mask"]), both["response_mask"]
+        )
+        alone = torch.cat(
+            [
+                sequence_logprob(token_logprobs(model, b["input_ids"], b["attention_mask"]), b["response_mask"])
+                for b in (chosen, rejected)
+            ]
+        )
     assert torch.allclose(together, alone, atol=1e-5), (together, alone)
     # the padding added to the shorter batch counts nowhere
     assert both["response_mask"][:3].sum() == chosen["response_mask"].sum()
@@ -74,8 +79,12 @@ def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
         assert torch.equal(p, q)
     for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()):
         assert torch.equal(p, q)
-    assert any(not torch.equal(p, q) for p, q in zip(a.engine.module.parameters(),
-                                                    PolicyTrainer(tiny_model, 1e-3, seed=0).engine.module.parameters()))
+    assert any(
+        not torch.equal(p, q)
+        for p, q in zip(
+            a.engine.module.parameters(), PolicyTrainer(tiny_model, 1e-3, seed=0).engine.module.parameters()
+        )
+    )
 
 
 def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model):
@@ -110,8 +119,11 @@ def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model)
 
 def _outputs(seqs: list[list[int]], prompt_lens: list[int]) -> dict:
     """A rollout replica's output as `Rollout.generate` returns it (the fields the handover reads)."""
-    return {"seqs": seqs, "masks": [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)],
-            "completions": [str(s[p:]) for s, p in zip(seqs, prompt_lens)]}
+    return {
+        "seqs": seqs,
+        "masks": [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)],
+        "completions": [str(s[p:]) for s, p in zip(seqs, prompt_lens)],
+    }
 
 
 def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny_model):
@@ -130,8 +142,10 @@ def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny
     lens = [len(p) for p in prompts for _ in range(3)]
     # two replicas; the samples' order interleaves them (`Pending.rows`: (replica, row) per sample)
     order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3), (0, 4)]
-    outs = [_outputs([seqs[i] for i in (0, 2, 4, 6, 8)], [lens[i] for i in (0, 2, 4, 6, 8)]),
-            _outputs([seqs[i] for i in (1, 3, 5, 7)], [lens[i] for i in (1, 3, 5, 7)])]
+    outs = [
+        _outputs([seqs[i] for i in (0, 2, 4, 6, 8)], [lens[i] for i in (0, 2, 4, 6, 8)]),
+        _outputs([seqs[i] for i in (1, 3, 5, 7)], [lens[i] for i in (1, 3, 5, 7)]),
+    ]
     # group 1: sample 2 best, 0 worst; group 2: all tie (a near miss, 0.5 vs 0.5, gives nothing);
     # group 3: 0.51 beats 0.5 by a hair, which is still a preference
     scores = {"total": [0.0, 0.2, 0.9, 0.5, 0.5, 0.5, 0.5, 0.51, 0.5]}
@@ -150,13 +164,15 @@ def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny
 
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
     by_hand = a.dpo_step(chosen, rejected, ref_c, ref_r, 0.1, "sigmoid", 0.0)
-    handed = b.online_dpo_step_on(scores, (ref_c, ref_r), sampled, *outs, beta=0.1, loss_type="sigmoid",
-                                  label_smoothing=0.0)
+    handed = b.online_dpo_step_on(
+        scores, (ref_c, ref_r), sampled, *outs, beta=0.1, loss_type="sigmoid", label_smoothing=0.0
+    )
     assert handed == {**by_hand, "pairs": 2}
     assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
     before = [p.detach().clone() for p in b.engine.module.parameters()]
-    assert b.online_dpo_step_on({"total": [1.0] * 9}, None, sampled, *outs, beta=0.1, loss_type="sigmoid",
-                                label_smoothing=0.0) == {"pairs": 0}
+    assert b.online_dpo_step_on(
+        {"total": [1.0] * 9}, None, sampled, *outs, beta=0.1, loss_type="sigmoid", label_smoothing=0.0
+    ) == {"pairs": 0}
     assert all(torch.equal(p, q) for p, q in zip(before, b.engine.module.parameters()))  # no update
 
 
@@ -169,8 +185,10 @@ def test_ppo_steps_on_a_handed_over_generation_equal_the_steps_on_driver_made_ta
     from raypai.alignment.roles.policy import PolicyTrainer
 
     g = torch.Generator().manual_seed(5)
-    seqs = [list(range(3, 3 + p)) + torch.randint(30, 200, (n,), generator=g).tolist()
-            for p, n in ((4, 3), (6, 2), (5, 5), (4, 1))]
+    seqs = [
+        list(range(3, 3 + p)) + torch.randint(30, 200, (n,), generator=g).tolist()
+        for p, n in ((4, 3), (6, 2), (5, 5), (4, 1))
+    ]
     lens = [4, 6, 5, 4]
     order = [(1, 0), (0, 0), (1, 1), (0, 1)]  # sample 0 came from replica 1, sample 1 from replica 0, ...
     outs = [_outputs([seqs[1], seqs[3]], [lens[1], lens[3]]), _outputs([seqs[0], seqs[2]], [lens[0], lens[2]])]
@@ -180,19 +198,22 @@ def test_ppo_steps_on_a_handed_over_generation_equal_the_steps_on_driver_made_ta
     old_lp, ref_lp = -torch.rand(mask.shape, generator=g) * mask, -torch.rand(mask.shape, generator=g) * mask
     values = torch.randn(mask.shape, generator=g)
     targets = {"kl_coef": 0.05, "gamma": 1.0, "lam": 0.95}
-    adv, returns = gae(kl_penalized_rewards(torch.tensor(scores["total"]), old_lp, ref_lp, mask, 0.05), values, mask,
-                       1.0, 0.95)
+    adv, returns = gae(
+        kl_penalized_rewards(torch.tensor(scores["total"]), old_lp, ref_lp, mask, 0.05), values, mask, 1.0, 0.95
+    )
     adv = masked_whiten(adv, mask)
     sampled = {"rows": order, "pad_id": 0}
 
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
-    assert a.ppo_step(batch, old_lp, adv, 0.2) == b.ppo_step_on(scores, old_lp, ref_lp, values, sampled, *outs,
-                                                                targets=targets, clip_eps=0.2)
+    assert a.ppo_step(batch, old_lp, adv, 0.2) == b.ppo_step_on(
+        scores, old_lp, ref_lp, values, sampled, *outs, targets=targets, clip_eps=0.2
+    )
     assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
     c, d = Critic(tiny_model, 1e-3, seed=0), Critic(tiny_model, 1e-3, seed=0)
     assert torch.equal(c.values(batch), d.values_on(sampled, *outs))
-    assert c.train_step(batch, values, returns, 0.2) == d.train_step_on(scores, old_lp, ref_lp, values, sampled, *outs,
-                                                                        targets=targets, clip=0.2)
+    assert c.train_step(batch, values, returns, 0.2) == d.train_step_on(
+        scores, old_lp, ref_lp, values, sampled, *outs, targets=targets, clip=0.2
+    )
     assert all(torch.equal(p, q) for p, q in zip(c.engine.module.parameters(), d.engine.module.parameters()))
     # a different order of the samples is a different batch: the update differs (the test can fail)
     e = PolicyTrainer(tiny_model, 1e-3, seed=0)

@@ -28,8 +28,16 @@ def length_bonus(prompts, completions, **_):
 
 
 def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tiny_model):
-    place = Placement("roles-test", {"policy": RoleSpec(1), "rollout": RoleSpec(0.5), "reference": RoleSpec(0.5),
-                                     "reward": RoleSpec(0.25), "critic": RoleSpec(0.5)})
+    place = Placement(
+        "roles-test",
+        {
+            "policy": RoleSpec(1),
+            "rollout": RoleSpec(0.5),
+            "reference": RoleSpec(0.5),
+            "reward": RoleSpec(0.25),
+            "critic": RoleSpec(0.5),
+        },
+    )
     try:
         [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
         [rollout] = place.place("rollout", Rollout, tiny_model)
@@ -39,8 +47,11 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         tok = AutoTokenizer.from_pretrained(tiny_model)
         batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
         ray.get([a.__ray_ready__.remote() for a in (policy, rollout, reference, reward, critic)])
-        names = {a.name: a.pid for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
-                 if a.name.startswith("roles-test/")}
+        names = {
+            a.name: a.pid
+            for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
+            if a.name.startswith("roles-test/")
+        }
         assert set(names) == {f"roles-test/{r}-0" for r in ("policy", "rollout", "reference", "reward", "critic")}
         assert len(set(names.values())) == 5  # five processes
 
@@ -61,7 +72,9 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         assert shm["sync_bytes"] == stats["sync_bytes"]
         assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2  # the trainer's update count
         path, version, live = ray.get(policy.write_shared.remote())
-        assert version == 2 and not live and not os.path.exists(path)  # removed after the first round; the mappings stay
+        assert (
+            version == 2 and not live and not os.path.exists(path)
+        )  # removed after the first round; the mappings stay
         with pytest.raises(ray.exceptions.RayTaskError, match="hold version 2, expected 1: refusing stale weights"):
             ray.get(rollout.load_shared.remote((path, 1, False)))
         torch.testing.assert_close(ray.get(reference.logprobs.remote(batch)), before, atol=1e-5, rtol=0)  # frozen
@@ -70,7 +83,7 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         out = ray.get(rollout.generate.remote(["1+2="], n=4, max_new_tokens=6, stop=digits))
         stop_ids = set(tok.convert_tokens_to_ids(list(digits) + ["<|end|>", tok.eos_token]))
         for seq, m in zip(out["seqs"], out["masks"]):
-            comp = seq[m.index(1):]
+            comp = seq[m.index(1) :]
             assert not stop_ids & set(comp[:-1])  # nothing generated after the first stop token
         with pytest.raises(ray.exceptions.RayTaskError, match="not a single token"):
             ray.get(rollout.generate.remote(["1+2="], stop=("no such token",)))
@@ -98,8 +111,10 @@ def test_a_sync_queued_behind_a_busy_replica_is_not_overtaken_by_the_next_one(ra
     try:
         [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
         [rollout] = place.place("rollout", Rollout, tiny_model)
-        batch = encode_sft(ChatFormat(AutoTokenizer.from_pretrained(tiny_model)),
-                           sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
+        batch = encode_sft(
+            ChatFormat(AutoTokenizer.from_pretrained(tiny_model)),
+            sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])),
+        )
         sync_weights(policy, [rollout])  # the first round (it maps the buffer)
         ray.get(policy.sft_step.remote(batch))
         busy = rollout.__ray_call__.remote(lambda self: time.sleep(2))  # the generation in flight
@@ -142,8 +157,9 @@ def test_every_zero_stage_reports_the_gradient_norm_and_clips_to_the_limit(ray_a
     batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows(ar.problems(max_operand=3)[:6])))
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     m = batch["response_mask"]
-    (-(token_logprobs(model, batch["input_ids"], batch["attention_mask"], where=m, lean=False) * m).sum()
-     / m.sum()).backward()
+    (
+        -(token_logprobs(model, batch["input_ids"], batch["attention_mask"], where=m, lean=False) * m).sum() / m.sum()
+    ).backward()
     by_hand = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     assert by_hand > 1.5  # above the limit, so clipping has work to do
 
@@ -203,8 +219,9 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         ray.get(policy.sft_step.remote(batch))
         assert sync_weights(policy, [rollout])["sync_bytes"] == stats["sync_bytes"]
         assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 3
-        torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), ray.get(policy.logprobs.remote(batch)),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            ray.get(rollout.logprobs.remote(batch)), ray.get(policy.logprobs.remote(batch)), atol=0, rtol=0
+        )
         # and a replica that samples while the trainer writes an update is refused
         ray.get(policy.__ray_call__.remote(lambda self: self._shared.stamp(-1)))
         with pytest.raises(ray.exceptions.RayTaskError, match="being written by the trainer"):
@@ -218,8 +235,15 @@ def test_a_placement_that_cannot_fit_fails_at_once_naming_the_shortfall(ray_alig
         Placement("huge", {"policy": RoleSpec(cpus=100)})
     # GPU roles on a cluster without GPUs: the shortfall and both ways out, before anything is reserved
     with pytest.raises(ConfigError) as err:
-        Placement("gpu-run", {"policy": RoleSpec(cpus=1, gpus=0.5), "rollout": RoleSpec(cpus=0.5, gpus=0.5),
-                              "reward": RoleSpec(cpus=0.25)}, colocate=(("policy", "rollout", "reward"),))
+        Placement(
+            "gpu-run",
+            {
+                "policy": RoleSpec(cpus=1, gpus=0.5),
+                "rollout": RoleSpec(cpus=0.5, gpus=0.5),
+                "reward": RoleSpec(cpus=0.25),
+            },
+            colocate=(("policy", "rollout", "reward"),),
+        )
     assert err.value.problems[0] == "GPU: the roles of 'gpu-run' need 1, the cluster has 0"
     assert "gpus=0" in str(err.value) and "more logical CPUs" not in str(err.value)
     assert not [pg for pg in ray.util.placement_group_table().values() if pg["name"] == "gpu-run-roles"]
@@ -252,12 +276,14 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
             assert stats["sync_bytes"] >= n_bytes  # bf16 (tensors aligned to 64 bytes each)
             assert stats["sync_bytes"] < n_bytes * 1.1
             trainer, got = ray.get(policy.__ray_call__.remote(fp32)), ray.get(rollout.__ray_call__.remote(replica))
-            assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16))
-                       for k, v in trainer.items())
+            assert all(
+                got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)) for k, v in trainer.items()
+            )
             assert not all(torch.equal(got[k].float(), v) for k, v in trainer.items())  # rounded, not fp32
         host = ray.get(policy.state_dict.remote())
-        assert all(host[k].dtype == torch.bfloat16 and torch.equal(host[k], v.to(torch.bfloat16))
-                   for k, v in trainer.items())
+        assert all(
+            host[k].dtype == torch.bfloat16 and torch.equal(host[k], v.to(torch.bfloat16)) for k, v in trainer.items()
+        )
         # the loops' sleep/wake around sampling (`_loop.asleep`), here with CPU roles: nothing moves, and the
         # trainer is awake for its next update (the moving itself: tests/alignment/test_offload.py on CUDA)
         with asleep([policy], on_gpu=True) as offload:
@@ -272,8 +298,11 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
 def test_colocated_roles_share_one_bundle(ray_align, tiny_model):
     """reward (0.25 CPU) and a second reward-style judge (0.5 CPU) colocated → one 0.75-CPU bundle;
     the policy keeps its own. Both colocated actors run and are named per role."""
-    place = Placement("coloc-test", {"policy": RoleSpec(1), "reward": RoleSpec(0.25), "judge": RoleSpec(0.5)},
-                      colocate=(("reward", "judge"),))
+    place = Placement(
+        "coloc-test",
+        {"policy": RoleSpec(1), "reward": RoleSpec(0.25), "judge": RoleSpec(0.5)},
+        colocate=(("reward", "judge"),),
+    )
     try:
         assert sorted(b["CPU"] for b in place.pg.bundle_specs) == [0.75, 1.0]
         [reward] = place.place("reward", Reward, [(ar.exact_match_reward, 1.0)])
@@ -295,8 +324,12 @@ def test_colocated_roles_share_one_bundle(ray_align, tiny_model):
 def test_synchronous_grpo_colocates_its_roles_and_the_working_role_uses_the_bundle(ray_align, tiny_model):
     """What run_grpo places for a synchronous run: every role in one bundle (their CPUs summed), the
     trainer and the rollout each with all of that bundle's threads (they take turns)."""
-    specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5), "reference": RoleSpec(cpus=0.5),
-             "reward": RoleSpec(cpus=0.25)}
+    specs = {
+        "policy": RoleSpec(cpus=1),
+        "rollout": RoleSpec(cpus=0.5),
+        "reference": RoleSpec(cpus=0.5),
+        "reward": RoleSpec(cpus=0.25),
+    }
     place = Placement("sync-grpo-test", specs, colocate=(tuple(specs),))
     try:
         assert place.pg.bundle_specs == [{"CPU": 2.25}]
@@ -344,20 +377,27 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
         rollouts = place.place("rollout", Rollout, tiny_model, per_replica=lambda i: {"seed": i})
         [reference] = place.place("reference", Reference, tiny_model)
         ray.get([a.__ray_ready__.remote() for a in (policy, *rollouts, reference)])
-        names = {a.name: a.pid for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
-                 if a.name.startswith("coloc-test/")}
-        assert set(names) == {"coloc-test/policy-0", "coloc-test/rollout-0", "coloc-test/rollout-1",
-                              "coloc-test/reference-0"} and len(set(names.values())) == 4
+        names = {
+            a.name: a.pid
+            for a in list_actors(address=ray_align, filters=[("state", "=", "ALIVE")])
+            if a.name.startswith("coloc-test/")
+        }
+        assert (
+            set(names)
+            == {"coloc-test/policy-0", "coloc-test/rollout-0", "coloc-test/rollout-1", "coloc-test/reference-0"}
+            and len(set(names.values())) == 4
+        )
 
         problems = [PromptExample("1+2=", {"answer": 3}), PromptExample("3+4=", {"answer": 7})]
         one = collect(launch(rollouts, problems[:1], 8, max_new_tokens=6, temperature=1.0, logprobs=True), pad_id=0)
         assert one.prompts == ["1+2="] * 8 and one.rows == {"answer": [3] * 8} and len(one.completions) == 8
-        halves = [tuple(map(tuple, one.batch["input_ids"][i:i + 4].tolist())) for i in (0, 4)]
+        halves = [tuple(map(tuple, one.batch["input_ids"][i : i + 4].tolist())) for i in (0, 4)]
         assert halves[0] != halves[1]  # the two replicas drew different samples
         # every row's behaviour log-probs are its own: recomputed on the replica's weights they match
         lp = ray.get(rollouts[0].logprobs.remote(one.batch))
-        torch.testing.assert_close(one.behaviour_lp * one.batch["response_mask"], lp * one.batch["response_mask"],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            one.behaviour_lp * one.batch["response_mask"], lp * one.batch["response_mask"], atol=1e-4, rtol=0
+        )
         two = collect(launch(rollouts, problems, 3, max_new_tokens=4, temperature=1.0), pad_id=0)
         assert two.prompts == ["1+2="] * 3 + ["3+4="] * 3 and two.rows == {"answer": [3] * 3 + [7] * 3}
 
@@ -383,15 +423,22 @@ def test_a_trainer_engine_ignores_a_master_port_it_inherits(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        code = ("import torch; from transformers import LlamaConfig, LlamaForCausalLM\n"
-                "from raypai.alignment.roles._engine import make_engine\n"
-                "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
-                "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
-                "e = make_engine(m, lr=1e-3)\n"
-                "store = torch.distributed.distributed_c10d._get_default_store()\n"
-                "print('world', torch.distributed.get_world_size(), type(store.underlying_store).__name__)\n")
-        env = {**os.environ, "MASTER_PORT": str(taken.getsockname()[1]), "WORLD_SIZE": "4", "RANK": "2",
-               "DS_ACCELERATOR": "cpu"}
+        code = (
+            "import torch; from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "from raypai.alignment.roles._engine import make_engine\n"
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
+            "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
+            "e = make_engine(m, lr=1e-3)\n"
+            "store = torch.distributed.distributed_c10d._get_default_store()\n"
+            "print('world', torch.distributed.get_world_size(), type(store.underlying_store).__name__)\n"
+        )
+        env = {
+            **os.environ,
+            "MASTER_PORT": str(taken.getsockname()[1]),
+            "WORLD_SIZE": "4",
+            "RANK": "2",
+            "DS_ACCELERATOR": "cpu",
+        }
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     # a group of one with no TCP rendezvous: a port picked free and bound a moment later was once taken

@@ -6,7 +6,9 @@ the engine's install error is tested there (tests/alignment/test_config.py)."""
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs these with vLLM's CPU build")
+vllm = pytest.importorskip(
+    "vllm", reason="vLLM is not installed here: `make test-vllm` runs these with vLLM's CPU build"
+)
 
 from raypai.alignment._tensors import token_logprobs  # noqa: E402
 from raypai.alignment.roles.rollout import Rollout  # noqa: E402
@@ -33,16 +35,21 @@ def _hf_greedy(hf, fmt, max_new: int) -> list[list[int]]:
     stops, out = list(fmt.stop_ids), []
     for p in PROMPTS:  # one prompt at a time: no padding on HF's side
         ids = fmt.prompt_ids(p)
-        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=max_new, do_sample=False, eos_token_id=stops,
-                          pad_token_id=fmt.tok.pad_token_id)[0, len(ids):].tolist()
+        ref = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=fmt.tok.pad_token_id,
+        )[0, len(ids) :].tolist()
         cut = next((j for j, t in enumerate(ref) if t in stops), None)
-        out.append(ref if cut is None else ref[:cut + 1])
+        out.append(ref if cut is None else ref[: cut + 1])
     return out
 
 
 def _completions(out) -> list[list[int]]:
-    return [s[m.index(1):] if 1 in m else [] for s, m in zip(out["seqs"], out["masks"])]
+    return [s[m.index(1) :] if 1 in m else [] for s, m in zip(out["seqs"], out["masks"])]
 
 
 def _logprobs_under(hf, out) -> torch.Tensor:
@@ -120,12 +127,20 @@ def test_a_grpo_run_pushes_every_update_into_its_vllm_rollout(ray_align, tmp_pat
 
     train, held = ar.split()
     path = build_tiny_model(tmp_path / "m", **SHAPE)
-    cfg = GRPOConfig(steps=4, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, eval_every=10**6,
-                     rollout_engine="vllm")
+    cfg = GRPOConfig(
+        steps=4, prompts_per_step=2, group_size=4, lr=1e-3, max_new_tokens=4, eval_every=10**6, rollout_engine="vllm"
+    )
     logger = _Sink()
-    run_grpo(path, str(tmp_path / "out"), prompt_examples(ar.prompt_rows(train[:16])),
-             prompt_examples(ar.prompt_rows(held[:4])), cfg, run_name="t-grpo-vllm", logger=logger,
-             rewards=[(ar.exact_match_reward, 1.0)])
+    run_grpo(
+        path,
+        str(tmp_path / "out"),
+        prompt_examples(ar.prompt_rows(train[:16])),
+        prompt_examples(ar.prompt_rows(held[:4])),
+        cfg,
+        run_name="t-grpo-vllm",
+        logger=logger,
+        rewards=[(ar.exact_match_reward, 1.0)],
+    )
     steps = [m for s, m in logger.rows if s is not None]
     assert len(steps) == 4
     assert all(m["sync_bytes"] > 100_000 for m in steps[1:])  # a copy per update (a live trainer sends none)

@@ -11,9 +11,18 @@ import torch
 from raypai.alignment._wire import from_wire, install, to_wire
 
 
-@pytest.mark.parametrize("t", [torch.randn(3, 4), torch.arange(6).view(2, 3).t(), torch.tensor(2.5),
-                               torch.randn(5).to(torch.bfloat16), torch.ones(3, dtype=torch.bool),
-                               torch.randint(0, 9, (4,), dtype=torch.int32), torch.randn(4, 2)[:, 1]])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(3, 4),
+        torch.arange(6).view(2, 3).t(),
+        torch.tensor(2.5),
+        torch.randn(5).to(torch.bfloat16),
+        torch.ones(3, dtype=torch.bool),
+        torch.randint(0, 9, (4,), dtype=torch.int32),
+        torch.randn(4, 2)[:, 1],
+    ],
+)
 def test_a_tensor_arrives_as_it_was_sent(t):
     wire = to_wire(t)
     assert wire[0] == "array"
@@ -31,11 +40,16 @@ def test_read_only_arrays_become_writable_tensors():
 
 
 def test_tensors_arrays_cannot_carry_go_torchs_way():
-    grad, conj, fp8 = torch.randn(3, requires_grad=True), torch.randn(2, dtype=torch.complex64).conj(), \
-        torch.randn(3).to(torch.float8_e4m3fn)
-    for t, same in ((grad, lambda a, b: torch.equal(a.detach(), b.detach()) and a.requires_grad),
-                    (conj, lambda a, b: torch.equal(a.resolve_conj(), b.resolve_conj())),
-                    (fp8, lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8)))):
+    grad, conj, fp8 = (
+        torch.randn(3, requires_grad=True),
+        torch.randn(2, dtype=torch.complex64).conj(),
+        torch.randn(3).to(torch.float8_e4m3fn),
+    )
+    for t, same in (
+        (grad, lambda a, b: torch.equal(a.detach(), b.detach()) and a.requires_grad),
+        (conj, lambda a, b: torch.equal(a.resolve_conj(), b.resolve_conj())),
+        (fp8, lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))),
+    ):
         wire = to_wire(t)
         assert wire[0] == "torch"
         back = from_wire(pickle.loads(pickle.dumps(wire)))
@@ -59,9 +73,14 @@ def test_tensors_cross_ray_both_ways_with_the_wire_installed(ray_plain):
     echo = _Echo.remote()
     ray.get(echo.install.remote())
     base = torch.arange(6.0)
-    batch = {"ids": torch.arange(6).view(2, 3), "lp": torch.randn(2, 3), "w": torch.randn(4).to(torch.bfloat16),
-             "big": torch.randn(256, 1024),  # 1 MiB: Ray hands it over from its object store
-             "base": base, "view": base[:3]}
+    batch = {
+        "ids": torch.arange(6).view(2, 3),
+        "lp": torch.randn(2, 3),
+        "w": torch.randn(4).to(torch.bfloat16),
+        "big": torch.randn(256, 1024),  # 1 MiB: Ray hands it over from its object store
+        "base": base,
+        "view": base[:3],
+    }
     out = ray.get(echo.echo.remote(batch))
     for k in ("ids", "lp", "w", "big", "base"):
         assert out[k].dtype == batch[k].dtype and torch.equal(out[k], batch[k] * 2), k

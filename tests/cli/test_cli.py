@@ -18,11 +18,18 @@ def cli(tmp_path):
     env.update(RAYPAI_HOME=str(tmp_path / "home"), RAYPAI_DASHBOARD="0", COLUMNS="200")
 
     def run(*args, ok=True):
-        out = subprocess.run([sys.executable, "-m", "raypai.cli", *args], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-m", "raypai.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if ok is not None:
             assert (out.returncode == 0) == ok, out.stdout + out.stderr
         return out
+
     return run
 
 
@@ -40,8 +47,10 @@ def test_run_twice_change_param_lineage_show(cli):
     show = cli("show", run_id)
     assert "count" in show.stdout and "report counts" in show.stdout
     # every step row names the Ray node its task ran on (all three ran, on the one local node)
-    nodes = {m.group(1): m.group(2)
-             for m in re.finditer(r"│ (write_text|transform|count) +│ succeeded.*?│ ([0-9a-f]{8}) │", show.stdout)}
+    nodes = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"│ (write_text|transform|count) +│ succeeded.*?│ ([0-9a-f]{8}) │", show.stdout)
+    }
     assert "ray node" in show.stdout and len(nodes) == 3 and len(set(nodes.values())) == 1, show.stdout
     report_id = re.search(r"count → output: report counts (\w+)", show.stdout).group(1)
     lineage = cli("lineage", report_id)
@@ -81,8 +90,15 @@ def test_bad_input_gives_one_clear_error_without_traceback(cli, tmp_path):
 
 def test_doctor_reports_every_check(cli):
     out = cli("doctor")
-    for check in ("stdlib platform not shadowed", "metadata database", "MLflow tracking", "ray", "deepspeed",
-                  "ray runtime", "default ports"):
+    for check in (
+        "stdlib platform not shadowed",
+        "metadata database",
+        "MLflow tracking",
+        "ray",
+        "deepspeed",
+        "ray runtime",
+        "default ports",
+    ):
         assert check in out.stdout
 
 
@@ -109,7 +125,8 @@ def test_a_broken_sub_command_module_stops_the_cli_loudly(tmp_path):
         "sys.meta_path.insert(0, Copy())\n"
         "sys.argv = ['raypai', '--help']\n"
         "from raypai.cli import main\n"
-        "main()\n")
+        "main()\n"
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0, out.stdout
     assert "`raypai deploy` cannot be loaded: importing raypai.serving.cli failed" in out.stderr, out.stderr

@@ -55,7 +55,9 @@ def test_ground_truth_dedup_pii_and_accounting(corpus):
     for t in truth:
         if t["dup_of"]:
             groups[t["dup_of"]].update({t["dup_of"], t["source"]})
-    exact_groups = [g for o, g in groups.items() if any(t["dup_of"] == o and t["category"] == "exact_dup" for t in truth)]
+    exact_groups = [
+        g for o, g in groups.items() if any(t["dup_of"] == o and t["category"] == "exact_dup" for t in truth)
+    ]
     assert all(len(g & kept.keys()) <= 1 for g in exact_groups), "an exact duplicate survived"
     near = [t for t in truth if t["category"] == "near_dup"]
     recall = sum(1 for t in near if not ({t["source"], t["dup_of"]} <= kept.keys())) / len(near)
@@ -86,8 +88,16 @@ def test_ground_truth_dedup_pii_and_accounting(corpus):
 LABEL_OPS = {
     "short": {"word_count"},
     "repetitive": {"char_repetition", "word_repetition", "gopher_repetition"},
-    "gibberish": {"language", "mean_word_length", "word_repetition", "char_repetition", "gopher_repetition",
-                  "alnum_ratio", "special_char_ratio", "flagged_words"},
+    "gibberish": {
+        "language",
+        "mean_word_length",
+        "word_repetition",
+        "char_repetition",
+        "gopher_repetition",
+        "alnum_ratio",
+        "special_char_ratio",
+        "flagged_words",
+    },
 }
 
 
@@ -115,11 +125,13 @@ def test_ground_truth_labels_match_what_cleaning_does(corpus):
         if t["expected"] == "reject":
             assert src in rejected, f"{cat} row {src} should be rejected"
         elif cat in LABEL_OPS:
-            assert src in dropped and dropped[src]["op"] in LABEL_OPS[cat], \
+            assert src in dropped and dropped[src]["op"] in LABEL_OPS[cat], (
                 f"{cat} row {src} should be dropped by one of {LABEL_OPS[cat]}; got {dropped.get(src)}"
+            )
         elif src not in in_group:
-            assert t["expected"] == "keep" and src in kept, \
+            assert t["expected"] == "keep" and src in kept, (
                 f"{cat} row {src} should be kept; dropped: {dropped.get(src, {}).get('reason')}"
+            )
     assert len(groups) >= 100
     for original, group in groups.items():
         survivor = min(group, key=doc_id.get)
@@ -131,8 +143,20 @@ def test_ground_truth_labels_match_what_cleaning_does(corpus):
                 link, hops = drop_by_id[link]["cluster_id"], hops + 1
             assert link == doc_id[survivor], f"{src} in the group of {original} leads to {link}, not {survivor}"
     # every category is present, so none of the checks above ran over nothing
-    assert all(cats[c] >= 20 for c in ("clean", "pii", "boilerplate", "near_miss", "short", "repetitive",
-                                       "gibberish", "exact_dup", "near_dup")), dict(cats)
+    assert all(
+        cats[c] >= 20
+        for c in (
+            "clean",
+            "pii",
+            "boilerplate",
+            "near_miss",
+            "short",
+            "repetitive",
+            "gibberish",
+            "exact_dup",
+            "near_dup",
+        )
+    ), dict(cats)
 
 
 def _similar_pairs(texts: dict[str, str], low: float) -> dict[tuple[str, str], float]:
@@ -170,7 +194,7 @@ def test_minhash_recall_precision_and_near_misses_against_exact_jaccard(corpus):
     fuzzy = {r["doc_id"]: r for r in dropped if r["op"] == "minhash_dedup"}
     texts = {d: r["text"] for d, r in kept.items()} | {d: r["text"] for d, r in fuzzy.items()}
     pairs = _similar_pairs(texts, 0.4)
-    should_drop = {b for (a, b), j in pairs.items() if j >= 0.8}          # b has an earlier partner a
+    should_drop = {b for (a, b), j in pairs.items() if j >= 0.8}  # b has an earlier partner a
     assert len(should_drop) >= 50
     recall = len(should_drop & fuzzy.keys()) / len(should_drop)
     assert recall >= 0.97, recall
@@ -207,7 +231,8 @@ def _pending_order(root):
 
 
 def test_worker_sigkilled_mid_shard_fails_the_run_and_the_rerun_resumes_to_the_same_digests(
-        corpus, tmp_path, monkeypatch):
+    corpus, tmp_path, monkeypatch
+):
     """A Ray worker SIGKILLs itself while filtering the last shard handed out, on every attempt:
     Ray retries the task FILTER_RETRIES times, the run fails naming the resume; the shards committed
     by then are not redone and the re-run's output shards have the uninterrupted run's digests."""
@@ -249,8 +274,13 @@ def test_a_single_large_file_is_filtered_by_several_tasks(tmp_path, ray_local):
     m = ingest(tmp_path / "raw", tmp_path / "ing", IngestConfig(block_bytes=8 << 10))
     assert m["files"] == ["raw-000.jsonl"] and len(m["parts"]) >= 4, m["parts"]
     calls = []
-    out = clean(tmp_path / "ing", tmp_path / "out", recipe=["whitespace_normalize", "word_count"],
-                work_dir=tmp_path / "w", progress=lambda *a: calls.append(a))
+    out = clean(
+        tmp_path / "ing",
+        tmp_path / "out",
+        recipe=["whitespace_normalize", "word_count"],
+        work_dir=tmp_path / "w",
+        progress=lambda *a: calls.append(a),
+    )
     counts = [c for c in calls if len(c) == 3]  # (rows done, rows in all, "rows"): at the start, then per shard
     assert len(counts) == len(m["parts"]) + 1 and counts[-1] == (m["rows"], m["rows"], "rows"), calls
     assert [c[0] for c in counts] == sorted(c[0] for c in counts) and counts[0][0] == 0 < counts[1][0]
@@ -270,8 +300,9 @@ def test_cross_shard_duplicates_are_found(tmp_path, ray_local):
     rng = random.Random(1)
     docs = [prose(rng, 10) for _ in range(6)]
     (raw / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    (raw / "b.jsonl").write_text(json.dumps({"text": near_duplicate(docs[0], rng, 1)}) + "\n" +
-                                 json.dumps({"text": docs[1].upper()}) + "\n")
+    (raw / "b.jsonl").write_text(
+        json.dumps({"text": near_duplicate(docs[0], rng, 1)}) + "\n" + json.dumps({"text": docs[1].upper()}) + "\n"
+    )
     ingest(raw, tmp_path / "ing")
     m = clean(tmp_path / "ing", tmp_path / "out", work_dir=tmp_path / "w", batch_size=2)
     assert m["accounting"]["dropped_by_op"]["exact_dedup"] == 1
@@ -293,8 +324,9 @@ def test_a_batch_whose_rows_all_fall_before_an_annotating_filter_joins_its_shard
     raw.mkdir()
     (raw / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     ingest(raw, tmp_path / "ing")
-    m = clean(tmp_path / "ing", tmp_path / "out", recipe=["word_count", "language"], work_dir=tmp_path / "w",
-              batch_size=2)
+    m = clean(
+        tmp_path / "ing", tmp_path / "out", recipe=["word_count", "language"], work_dir=tmp_path / "w", batch_size=2
+    )
     assert m["accounting"]["dropped_by_op"]["word_count"] == 2
     kept = [r for s in m["shards"] for r in pq.read_table(tmp_path / "out" / s["file"]).to_pylist()]
     assert len(kept) + m["accounting"]["dropped_by_op"]["language"] == 4
@@ -312,8 +344,13 @@ def test_no_rows_left_is_a_valid_empty_dataset(tmp_path, ray_local):
     m = clean(tmp_path / "ing", tmp_path / "out", work_dir=tmp_path / "w")
     assert m["rows"] == 0 and [s["rows"] for s in m["shards"]] == [0]
     assert pq.read_table(tmp_path / "out" / m["shards"][0]["file"]).column_names == m["schema"]
-    assert m["accounting"] | {"dropped_by_op": None} == {"input_rows": 3, "kept": 0, "dropped": 1, "rejected": 2,
-                                                          "dropped_by_op": None}
+    assert m["accounting"] | {"dropped_by_op": None} == {
+        "input_rows": 3,
+        "kept": 0,
+        "dropped": 1,
+        "rejected": 2,
+        "dropped_by_op": None,
+    }
     assert m["accounting"]["dropped_by_op"]["word_count"] == 1
 
 

@@ -87,8 +87,11 @@ def _outputs(work: Path, parts: list[str], kind: str) -> pa.Table:
 
 
 def _digests(work: Path) -> dict[str, str]:
-    return {f"{kind}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
-            for kind in ("kept", "dropped") for p in sorted((work / "dedup" / kind).iterdir())}
+    return {
+        f"{kind}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
+        for kind in ("kept", "dropped")
+        for p in sorted((work / "dedup" / kind).iterdir())
+    }
 
 
 def test_same_drops_and_keepers_as_the_driver_side_dedup(corpus):
@@ -100,8 +103,10 @@ def test_same_drops_and_keepers_as_the_driver_side_dedup(corpus):
     # every drop record (op, keeper, best pair, similarity, reason, text) equal to the reference's
     assert dropped.sort_by("doc_id").to_pylist() == ref_dropped.sort_by("doc_id").to_pylist()
     kept = _outputs(work, parts, "kept")
-    assert kept.sort_by("doc_id").to_pylist() == ref_kept.drop_columns(
-        [c for c in ref_kept.column_names if c.startswith("key.")]).to_pylist()
+    assert (
+        kept.sort_by("doc_id").to_pylist()
+        == ref_kept.drop_columns([c for c in ref_kept.column_names if c.startswith("key.")]).to_pylist()
+    )
     by_op = {op.name: sum(r["op"] == op.name for r in dropped.to_pylist()) for op in ops}
     assert stats["dropped"] == by_op and by_op["exact_dedup"] >= 50 and by_op["minhash_dedup"] >= 50, by_op
     assert stats["kept"] == kept.num_rows and stats["candidates"]["minhash_dedup"] > stats["verified"]["minhash_dedup"]
@@ -146,8 +151,9 @@ def _settled(work: Path) -> list[Path]:
     and the resumed run clears it (counting it made the test fail on the vanished file, seen once)."""
     seen, since = None, time.monotonic()
     while time.monotonic() - since < 2:
-        now = sorted(m for m in (work / "dedup").glob("**/meta.json")
-                     if not any(part.startswith(".tmp-") for part in m.parts))
+        now = sorted(
+            m for m in (work / "dedup").glob("**/meta.json") if not any(part.startswith(".tmp-") for part in m.parts)
+        )
         if now != seen:
             seen, since = now, time.monotonic()
         time.sleep(0.2)
@@ -165,14 +171,31 @@ def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, wh
     committed rounds and units and writes byte-identical outputs to the uninterrupted run's."""
     root, parts, ops, stats, _ = corpus
     rounds = stats["cc_rounds"]["minhash_dedup"]
-    kill_after = {"exact map": 2, "signature join": 17, "components": BEFORE_CC + 3 * 2 + 1,
-                  "final write": BEFORE_CC + 3 * rounds + 4 + 2}[where]
+    kill_after = {
+        "exact map": 2,
+        "signature join": 17,
+        "components": BEFORE_CC + 3 * 2 + 1,
+        "final write": BEFORE_CC + 3 * rounds + 4 + 2,
+    }[where]
     assert stats["units_run"] == BEFORE_CC + 3 * rounds + 4 + 4
     work = tmp_path / "work"
     shutil.copytree(root / "work" / "kept", work / "kept")
     env = os.environ | {FAULTS_ENV: json.dumps({"kill_after_units": kill_after})}
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, ray.get_runtime_context().gcs_address, str(work),
-                           json.dumps(parts), str(BUCKETS)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _DRIVER,
+            ray.get_runtime_context().gcs_address,
+            str(work),
+            json.dumps(parts),
+            str(BUCKETS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert not (work / "dedup" / "_DONE.json").exists()
     units = _settled(work)
@@ -183,8 +206,9 @@ def test_sigkill_of_the_driver_resumes_to_identical_outputs(corpus, tmp_path, wh
     assert {p: p.stat().st_mtime_ns for p in units} == before, "committed units were redone"
     assert resumed["units_run"] == stats["units_run"] - len(units)
     assert _digests(work) == _digests(root / "work")
-    assert {k: v for k, v in resumed.items() if k not in ("seconds", "write_seconds", "units_run")} == \
-        {k: v for k, v in stats.items() if k not in ("seconds", "write_seconds", "units_run")}
+    assert {k: v for k, v in resumed.items() if k not in ("seconds", "write_seconds", "units_run")} == {
+        k: v for k, v in stats.items() if k not in ("seconds", "write_seconds", "units_run")
+    }
     # a finished run is not redone
     assert run_dedup(work, parts, ops, buckets=BUCKETS, progress=lambda m: None)["units_run"] == 0
 
@@ -218,7 +242,7 @@ def test_star_rounds_find_the_components_with_their_lowest_ids(seed):
     ids = np.unique(rng.integers(0, 2**63, size=700, dtype=np.uint64) * np.uint64(2) + np.uint64(1))[:600]
     ids = ids[rng.permutation(len(ids))]  # distinct odd ids ≥ 2^32 on average: the full uint64 range
     perm = rng.permutation(len(ids))
-    edges = [(perm[i], perm[i + 1]) for i in range(199)]                  # a chain of 200 nodes
+    edges = [(perm[i], perm[i + 1]) for i in range(199)]  # a chain of 200 nodes
     edges += [(perm[200 + i], perm[200 + rng.integers(0, i)]) for i in range(1, 200)]  # a random tree
     edges += [tuple(rng.integers(400, 600, size=2)) for _ in range(120)]  # random edges, some isolated nodes
     edges = [(a, b) for a, b in edges if a != b]
@@ -228,8 +252,9 @@ def test_star_rounds_find_the_components_with_their_lowest_ids(seed):
         uf.union(x, y)
     part = (ids % 7).astype(np.int32)  # a node's part travels with it
     part_of = dict(zip(ids.tolist(), part.tolist()))
-    arcs = cc.both_ways(a, b, np.array([part_of[x] for x in a.tolist()], np.int32),
-                        np.array([part_of[x] for x in b.tolist()], np.int32))
+    arcs = cc.both_ways(
+        a, b, np.array([part_of[x] for x in a.tolist()], np.int32), np.array([part_of[x] for x in b.tolist()], np.int32)
+    )
     changes, leaves = [], None
     for r in range(200):
         if r % 2 == 0:
@@ -257,6 +282,7 @@ def test_star_rounds_on_a_bucket_with_no_arcs():
     out, n, leaves = cc.small_star(arcs)
     assert out.num_rows == 0 and n == 0 and leaves.num_rows == 0
 
+
 def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
     """A recipe with MinHash dedup only, a part with no rows, and a changed bucket count (the old
     rounds are discarded, the result is the same)."""
@@ -273,8 +299,9 @@ def test_single_ops_empty_part_and_plan_change(tmp_path, ray_local, corpus):
         assert stats["buckets"] == buckets and stats["units_run"] > 0
         dropped = _outputs(work, parts, "dropped")
         assert dropped.sort_by("doc_id").to_pylist() == ref_dropped.sort_by("doc_id").to_pylist()
-        assert sorted(_outputs(work, parts, "kept").column("doc_id").to_pylist()) == \
-            ref_kept.column("doc_id").to_pylist()
+        assert (
+            sorted(_outputs(work, parts, "kept").column("doc_id").to_pylist()) == ref_kept.column("doc_id").to_pylist()
+        )
     assert pq.read_table(work / "dedup" / "kept" / "empty.parquet").num_rows == 0
     assert pq.read_table(work / "dedup" / "dropped" / "empty.parquet").schema == DROP_SCHEMA
 
@@ -296,8 +323,10 @@ def test_bad_inputs_are_refused_with_the_fix(tmp_path, ray_local, corpus):
         run_dedup(tmp_path, ["y.parquet"], [ExactDedup(), MinHashDedup()], progress=lambda m: None)
     # a unit that fails (here: a signature column of the wrong width) names its round; the rest is kept
     sigs = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(50 * 3, np.uint32)), 3)
-    pq.write_table(good.set_column(good.schema.get_field_index("key.minhash_dedup"), "key.minhash_dedup", sigs),
-                   tmp_path / "kept" / "z.parquet")
+    pq.write_table(
+        good.set_column(good.schema.get_field_index("key.minhash_dedup"), "key.minhash_dedup", sigs),
+        tmp_path / "kept" / "z.parquet",
+    )
     with pytest.raises(DataError, match=r"dedup round 1-minhash_dedup/bands failed.*run again to resume"):
         run_dedup(tmp_path, ["z.parquet"], [ExactDedup(), MinHashDedup()], progress=lambda m: None)
     assert (tmp_path / "dedup" / "0-exact_dedup" / "reduce" / "_DONE.json").exists()

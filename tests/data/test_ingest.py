@@ -12,8 +12,10 @@ from raypai.data.ingest import IngestConfig, doc_id, ingest
 def test_formats_sources_and_rejected_reasons(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
-    (raw / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "broken\n{"body": 1}\n{"text": 7}\n'
-                                  b'{"text": "bad \xff"}\n\n{"text": "' + b"x" * 50 + b'"}\n')
+    (raw / "a.jsonl").write_bytes(
+        b'{"text": "fine"}\n{"text": "broken\n{"body": 1}\n{"text": 7}\n'
+        b'{"text": "bad \xff"}\n\n{"text": "' + b"x" * 50 + b'"}\n'
+    )
     (raw / "b.txt").write_bytes(b"First para\r\nline two\r\n\r\n\r\nSecond para\r\n")  # CRLF: universal newlines
     pq.write_table(pa.table({"text": ["row zero", None]}), raw / "c.parquet")
     m = ingest(raw, tmp_path / "out", IngestConfig(max_chars=40))
@@ -28,8 +30,11 @@ def test_formats_sources_and_rejected_reasons(tmp_path):
     assert m["rows"] == 4 and m["rejected"] == 6  # "fine", two paragraphs, "row zero"
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["files"] == ["a.jsonl", "b.txt", "c.parquet"]
     one = ingest(raw / "b.txt", tmp_path / "one", IngestConfig(text_mode="file"))
-    assert one["rows"] == 1 and pq.read_table(tmp_path / "one" / "part-00000-00000.parquet").column("text")[0].as_py() \
+    assert (
+        one["rows"] == 1
+        and pq.read_table(tmp_path / "one" / "part-00000-00000.parquet").column("text")[0].as_py()
         == "First para\nline two\n\n\nSecond para\n"
+    )
 
 
 def _mixed_corpus(raw):
@@ -46,8 +51,9 @@ def _mixed_corpus(raw):
     paras[7] = "\r\n".join(f"a long paragraph, line {j}" for j in range(12))
     seps = ["\r\n\r\n", "\n\n\n", "\n   \n", "\n\r\n", "\n\u00a0\n"]
     (raw / "b.txt").write_bytes("".join(p + seps[i % 5] for i, p in enumerate(paras)).encode())
-    pq.write_table(pa.table({"text": [f"row {i}" if i % 11 else None for i in range(50)]}), raw / "c.parquet",
-                   row_group_size=4)
+    pq.write_table(
+        pa.table({"text": [f"row {i}" if i % 11 else None for i in range(50)]}), raw / "c.parquet", row_group_size=4
+    )
     (raw / "d.txt").write_bytes(b"fine paragraph\n\n" * 12 + b"bad \xfe byte\n\nmore\n")
     return raw
 
@@ -63,8 +69,9 @@ def _check_split_invariance(tmp_path):
     assert [p["source"] for p in whole["parts"]] == ["a.jsonl", "b.txt", "c.parquet", "d.txt"]  # one range per file
     rows, rejected = _ingested(tmp_path / "whole", whole)
     assert len(rows) == whole["rows"] > 90 and len(rejected) == whole["rejected"]
-    assert {r["source"] for r in rejected} == {"a.jsonl:6", "a.jsonl:14", "a.jsonl:21", "b.txt:24", "d.txt"} | \
-        {f"c.parquet:row{i}" for i in range(0, 50, 11)}
+    assert {r["source"] for r in rejected} == {"a.jsonl:6", "a.jsonl:14", "a.jsonl:21", "b.txt:24", "d.txt"} | {
+        f"c.parquet:row{i}" for i in range(0, 50, 11)
+    }
     for block in (16, 57, 200):
         cut = ingest(raw, tmp_path / f"cut{block}", IngestConfig(max_chars=100, block_bytes=block))
         per_file = {s: sum(p["source"] == s for p in cut["parts"]) for s in ("a.jsonl", "b.txt", "c.parquet")}

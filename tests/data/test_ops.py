@@ -9,8 +9,18 @@ import pytest
 from raypai.data._execute import apply_row_ops
 from raypai.data.ops import minhash
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup, UnionFind, normalize
-from raypai.data.ops.filters import (AlnumRatio, CharRepetition, FineWebQuality, FlaggedWords, GopherQuality,
-                                     GopherRepetition, MeanWordLength, SpecialCharRatio, WordCount, WordRepetition)
+from raypai.data.ops.filters import (
+    AlnumRatio,
+    CharRepetition,
+    FineWebQuality,
+    FlaggedWords,
+    GopherQuality,
+    GopherRepetition,
+    MeanWordLength,
+    SpecialCharRatio,
+    WordCount,
+    WordRepetition,
+)
 from raypai.data.ops.language import Language, detect
 from raypai.data.ops.mappers import BoilerplateStrip, PIIRedact, PunctuationNormalize, UnicodeNFC, WhitespaceNormalize
 from raypai.data.recipe import load_recipe
@@ -25,8 +35,10 @@ def test_mappers():
     assert PunctuationNormalize().map_texts(["“Hi”—you…"]) == ['"Hi" - you...']
     red = PIIRedact().map_texts(["mail bob@x.org from 10.0.0.1 or 2001:db8::1, call +1 415-555-1234."])[0]
     assert red == "mail <EMAIL> from <IP> or <IP>, call <PHONE>."
-    text = ("The Project Gutenberg eBook of X\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nBody text here.\n"
-            "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence")
+    text = (
+        "The Project Gutenberg eBook of X\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nBody text here.\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nlicence"
+    )
     assert BoilerplateStrip().map_texts([text]) == ["Body text here."]
     for m in (UnicodeNFC(), WhitespaceNormalize(), PunctuationNormalize(), PIIRedact(), BoilerplateStrip()):
         assert len(m.map_texts(EDGE)) == len(EDGE)  # no op crashes on empty, punctuation-only, Cyrillic, huge
@@ -69,9 +81,17 @@ def test_gopher_and_fineweb_rules():
 
 def test_gopher_repetition_duplicate_ngram_walk():
     """datatrove's `find_all_duplicate` walk, isolated (every other rule switched off)."""
+
     def only(n):
-        return GopherRepetition(dup_para_frac=1, dup_para_char_frac=1, dup_line_frac=1, dup_line_char_frac=1,
-                                top_ngrams=(), dup_ngrams=((n, 0.0),))
+        return GopherRepetition(
+            dup_para_frac=1,
+            dup_para_char_frac=1,
+            dup_line_frac=1,
+            dup_line_char_frac=1,
+            top_ngrams=(),
+            dup_ngrams=((n, 0.0),),
+        )
+
     # "x"×12: the 5-grams at 0..7 are equal; 0 is new, 1 repeats (5 chars, jump to 6), 6 repeats
     # (5 chars, jump to 11, past the last 5-gram): 10 of the text's 23 characters.
     assert only(5).stats([" ".join("x" * 12)]).tolist() == [pytest.approx(10 / 23)]
@@ -88,8 +108,10 @@ def test_gopher_repetition_duplicate_ngram_walk():
 def test_gopher_quality_and_fineweb_extra_rules():
     long_words = " ".join(["extraordinarily"] * 60 + ["the", "and", "of"] * 10)  # mean length 13.2
     assert GopherQuality().stats([long_words])[0] >= 1
-    dup_lines = "\n".join(["A line that ends well, and it is long enough."] * 3
-                          + [f"Line number {i} is different from all of the other lines." for i in range(20)])
+    dup_lines = "\n".join(
+        ["A line that ends well, and it is long enough."] * 3
+        + [f"Line number {i} is different from all of the other lines." for i in range(20)]
+    )
     assert FineWebQuality(char_duplicates_ratio=1.0).stats([dup_lines])[0] == 0
     assert FineWebQuality().stats([dup_lines])[0] == 1  # 2 repeated lines: 88 of ~1.2k chars > 1%
 
@@ -137,7 +159,7 @@ def test_dedup_primitives():
 def test_banding_follows_the_lsh_formula():
     """P(s) = 1 − (1 − s^r)^b (MMDS §3.4.2): 21 bands of 6 rows give 1 − (1 − 0.8^6)^21 = 0.9983 at
     s = 0.8; 18 × 7, the next-stricter banding of 128 hashes, gives only 0.9855 < 0.99."""
-    assert minhash.lsh_probability(0.8, 21, 6) == pytest.approx(1 - (1 - 0.8 ** 6) ** 21)
+    assert minhash.lsh_probability(0.8, 21, 6) == pytest.approx(1 - (1 - 0.8**6) ** 21)
     assert minhash.lsh_probability(0.8, 21, 6) == pytest.approx(0.9983, abs=1e-4)
     assert minhash.lsh_probability(0.8, 18, 7) == pytest.approx(0.9855, abs=1e-4)
     assert minhash.choose_bands(0.8, 128) == (21, 6)
@@ -205,8 +227,15 @@ def test_minhash_find_verifies_before_merging():
 
 def test_recipe_validation_reports_every_problem(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_recipe(["whitespace_normalize", "no_such_op", {"word_count": {"min_value": "ten"}},
-                     {"minhash_dedup": {"bands": 3}}, "pkg.missing:Op"])
+        load_recipe(
+            [
+                "whitespace_normalize",
+                "no_such_op",
+                {"word_count": {"min_value": "ten"}},
+                {"minhash_dedup": {"bands": 3}},
+                "pkg.missing:Op",
+            ]
+        )
     msgs = err.value.problems
     assert len(msgs) == 4
     assert "unknown op 'no_such_op'" in msgs[0] and "word_count" in msgs[0]  # lists the valid choices

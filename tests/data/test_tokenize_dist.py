@@ -36,11 +36,22 @@ def ref_train_tokenizer(dataset_dir, out_dir, *, vocab_size, min_frequency=2):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_ref_texts(Path(dataset_dir)), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=EOS,
-                                   unk_token=None, additional_special_tokens=SPECIAL_TOKENS[2:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=EOS,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
@@ -72,37 +83,47 @@ def ref_tokenize(dataset_dir, tokenizer_dir, out_dir, *, block_size, shard_block
     files = []
     for prefix, ids in (("shard", train_ids), ("eval", eval_ids)):
         for s in range(0, len(ids), shard_blocks):
-            chunk = ids[s:s + shard_blocks]
+            chunk = ids[s : s + shard_blocks]
             name = f"{prefix}-{s // shard_blocks:05d}.parquet"
             write_shard(out / name, chunk, blocks[chunk])
             files.append({"file": name, "split": "train" if prefix == "shard" else "eval", "blocks": len(chunk)})
     unigram = np.bincount(blocks[train_ids].reshape(-1), minlength=len(tok)).astype(np.float64)
     p = unigram[unigram > 0] / unigram.sum()
-    manifest = {"kind": "token_shards", "block_size": block_size, "num_blocks": int(len(train_ids)),
-                "num_eval_blocks": int(n_eval), "num_tokens": int(len(train_ids) * block_size), "documents": docs,
-                "vocab_size": len(tok), "eos_id": int(eos), "tokenizer_digest": digest_dir(tokenizer_dir)[0],
-                "files": files, "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
-                "content_sha256": hashlib.sha256(blocks.tobytes()).hexdigest()}
+    manifest = {
+        "kind": "token_shards",
+        "block_size": block_size,
+        "num_blocks": int(len(train_ids)),
+        "num_eval_blocks": int(n_eval),
+        "num_tokens": int(len(train_ids) * block_size),
+        "documents": docs,
+        "vocab_size": len(tok),
+        "eos_id": int(eos),
+        "tokenizer_digest": digest_dir(tokenizer_dir)[0],
+        "files": files,
+        "unigram_entropy_nats": float(-(p * np.log(p)).sum()),
+        "content_sha256": hashlib.sha256(blocks.tobytes()).hexdigest(),
+    }
     TokenShardsManifest.from_dict(manifest).write(out)
     return manifest
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
 
-WORDS = ("the miller walked over a bridge while river water ran cold under grey stone arches and "
-         "every lantern along quiet streets glowed softly near old houses where children slept").split()
+WORDS = (
+    "the miller walked over a bridge while river water ran cold under grey stone arches and "
+    "every lantern along quiet streets glowed softly near old houses where children slept"
+).split()
 
 
 def make_dataset(folder: Path, docs: int, seed: int = 0) -> Path:
     """Three part files with different row-group sizes; empty and null texts among the rows (skipped)."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True)
-    texts = [" ".join(rng.choice(WORDS, rng.integers(3, 60))) + rng.choice([".", "!", "?\n"])
-             for _ in range(docs)]
+    texts = [" ".join(rng.choice(WORDS, rng.integers(3, 60))) + rng.choice([".", "!", "?\n"]) for _ in range(docs)]
     texts[5], texts[docs // 2] = "", None
     cuts = [0, docs // 5, docs // 2, docs]
     for k, rows in enumerate((37, 101, 64)):
-        table = pa.table({"doc_id": list(range(cuts[k], cuts[k + 1])), "text": texts[cuts[k]:cuts[k + 1]]})
+        table = pa.table({"doc_id": list(range(cuts[k], cuts[k + 1])), "text": texts[cuts[k] : cuts[k + 1]]})
         pq.write_table(table, folder / f"part-{k:05d}.parquet", row_group_size=rows)
     return folder
 
@@ -192,10 +213,19 @@ def test_on_ray_tasks_write_the_reference_shards(dataset, ray_two_cpus, tmp_path
     ds, tok = dataset
     for block_size, shard_blocks, eval_fraction, seed in ((16, 64, 0.05, 0), (24, 50, 0.2, 3)):
         out, ref_out = tmp_path / f"ours-{block_size}", tmp_path / f"ref-{block_size}"
-        ref = ref_tokenize(ds, tok, ref_out, block_size=block_size, shard_blocks=shard_blocks,
-                           eval_fraction=eval_fraction, seed=seed)
-        m = tokenize(ds, tok, out, block_size=block_size, shard_blocks=shard_blocks, eval_fraction=eval_fraction,
-                     seed=seed, task_bytes=3000)
+        ref = ref_tokenize(
+            ds, tok, ref_out, block_size=block_size, shard_blocks=shard_blocks, eval_fraction=eval_fraction, seed=seed
+        )
+        m = tokenize(
+            ds,
+            tok,
+            out,
+            block_size=block_size,
+            shard_blocks=shard_blocks,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            task_bytes=3000,
+        )
         work = m.pop("work")
         assert m == ref
         assert_same_shards(out, ref_out, ref)

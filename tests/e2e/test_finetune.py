@@ -24,9 +24,15 @@ def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(rayp
     inputs = example_inputs(tmp_path / "user")
     # the gate is off here so the endpoint is always there to query; register still records the decision.
     # Nothing below asserts how much the model learnt (the alignment tests do), so the steps are few
-    result = Runner(raypai_home).run(finetune.build(**inputs, sft_config={"steps": 100, "lr": 3e-3},
-                                                    align_config={"steps": 10, "lr": 5e-4}, max_new_tokens=4,
-                                                    require_improvement=False))
+    result = Runner(raypai_home).run(
+        finetune.build(
+            **inputs,
+            sft_config={"steps": 100, "lr": 3e-3},
+            align_config={"steps": 10, "lr": 5e-4},
+            max_new_tokens=4,
+            require_improvement=False,
+        )
+    )
     try:
         assert result.ok, {n: s.error for n, s in result.steps.items() if s.error}
         ev = result["evaluate"].value
@@ -36,20 +42,30 @@ def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(rayp
         store = MetadataStore(raypai_home.database_url)
         token = store.create_token("ft", ["infer"])
         endpoint = result.result["endpoint"]  # where the deploy step says the model is served
-        r = httpx.post(f"{endpoint.rstrip('/')}/chat/completions", timeout=120,
-                       headers={"Authorization": f"Bearer {token}"},
-                       json={"model": "finetune", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4})
+        r = httpx.post(
+            f"{endpoint.rstrip('/')}/chat/completions",
+            timeout=120,
+            headers={"Authorization": f"Bearer {token}"},
+            json={"model": "finetune", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         assert "<|im_end|>" not in r.json()["choices"][0]["message"]["content"]
 
         env = {**os.environ, "RAYPAI_HOME": str(raypai_home.home)}
-        out = subprocess.run([sys.executable, "-m", "raypai.cli", "lineage", "--deployment", "finetune", "--json"],
-                             capture_output=True, text=True, env=env, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "raypai.cli", "lineage", "--deployment", "finetune", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         graph = json.loads(out.stdout)
         text = json.dumps(graph)
         # the served model's chain reaches the imported weights' folder and the user's data files
-        assert str(Path(inputs["model_dir"]).name) in text and "chats.jsonl" in text and "prefs.jsonl" in text, text[:2000]
+        assert str(Path(inputs["model_dir"]).name) in text and "chats.jsonl" in text and "prefs.jsonl" in text, text[
+            :2000
+        ]
         graph = deployment_lineage(store, raypai_home, "finetune")
         assert graph["models"][0]["model"] == "finetune"
     finally:

@@ -11,8 +11,18 @@ from raypai.store import MetadataStore
 
 # small enough for the test-time budget: one Ray Train worker (multi-worker pretraining is
 # tests/train's), 4 GRPO steps (each one evaluated and checkpointed)
-SMALL = dict(docs=800, vocab_size=512, block_size=64, hidden=64, pretrain_steps=30, workers=1, sft_steps=100, sft_lr=3e-3,
-             rm_steps=60, align_steps=4)
+SMALL = dict(
+    docs=800,
+    vocab_size=512,
+    block_size=64,
+    hidden=64,
+    pretrain_steps=30,
+    workers=1,
+    sft_steps=100,
+    sft_lr=3e-3,
+    rm_steps=60,
+    align_steps=4,
+)
 
 
 def _chain(store, artifact_id: str) -> list[str]:
@@ -38,9 +48,12 @@ def test_tinychat_end_to_end_with_lineage(raypai_home):
         assert result.result["deployed"] and result.result["deployment"] == "tinychat"
         store = MetadataStore(raypai_home.database_url)
         token = store.create_token("e2e", ["infer"])
-        r = httpx.post(f"http://127.0.0.1:{serve_port()}/v1/chat/completions", timeout=120,
-                       headers={"Authorization": f"Bearer {token}"},
-                       json={"model": "tinychat", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4})
+        r = httpx.post(
+            f"http://127.0.0.1:{serve_port()}/v1/chat/completions",
+            timeout=120,
+            headers={"Authorization": f"Bearer {token}"},
+            json={"model": "tinychat", "messages": [{"role": "user", "content": "3+4="}], "max_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         version = r.headers["x-raypai-model-version"]
         assert version == f"tinychat/{result.result['version']}" == r.json()["raypai_model_version"]

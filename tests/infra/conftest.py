@@ -53,9 +53,15 @@ def running_services(tmp_path_factory, pg_server_url):
     from raypai.tools.services import ServicesConfig, down, up
 
     tag = uuid.uuid4().hex[:8]
-    cfg = ServicesConfig(home=tmp_path_factory.mktemp("services"), postgres_url=pg_server_url,
-                         mlflow_db=f"raypai_mlflow_t{tag}", metadata_db=f"raypai_t{tag}", mlflow_port=_free_port(),
-                         s3_port=_free_port(), bucket=f"raypai-t{tag}")
+    cfg = ServicesConfig(
+        home=tmp_path_factory.mktemp("services"),
+        postgres_url=pg_server_url,
+        mlflow_db=f"raypai_mlflow_t{tag}",
+        metadata_db=f"raypai_t{tag}",
+        mlflow_port=_free_port(),
+        s3_port=_free_port(),
+        bucket=f"raypai-t{tag}",
+    )
     try:
         yield cfg, up(cfg)
     finally:

@@ -50,8 +50,9 @@ def test_torch_version_is_allowed_by_pyproject_and_equals_the_ci_pin():
 def test_python_of_the_base_image_satisfies_requires_python():
     tag = _args(DOCKERFILE)["PYTHON_TAG"]  # py311 -> 3.11
     version = Version(f"{tag[2]}.{tag[3:]}")
-    assert PYPROJECT["project"]["requires-python"] and Requirement(f"x{PYPROJECT['project']['requires-python']}") \
-        .specifier.contains(version)
+    assert PYPROJECT["project"]["requires-python"] and Requirement(
+        f"x{PYPROJECT['project']['requires-python']}"
+    ).specifier.contains(version)
     # the test suite itself runs on that minor version, so the image runs what CI tested
     assert (sys.version_info.major, sys.version_info.minor) == (version.major, version.minor)
 

@@ -21,7 +21,7 @@ from raypai.errors import PipelineError
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "infra" / "local-cluster.sh"
 
-JOB = '''
+JOB = """
 import json, ray
 import raypai, raypai.data, raypai.serving
 
@@ -33,7 +33,7 @@ def where():
 ray.init()
 refs = [where.remote() for _ in range(2)] + [where.options(resources={"worker_node": 1}).remote() for _ in range(2)]
 print("RESULT " + json.dumps({"driver": raypai.__file__, "serving": raypai.serving.__file__, "tasks": ray.get(refs)}))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +41,25 @@ def cluster(free_port):
     """(dashboard address, env with the token path) of a fresh 2-node cluster; both nodes stopped after."""
     # a short folder: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
     state = Path(tempfile.mkdtemp(prefix="rpc-", dir="/tmp"))
-    env = {**os.environ, "RAY": str(Path(sys.executable).parent / "ray"), "RAYPAI_CLUSTER_DIR": str(state),
-           "RAYPAI_CLUSTER_PORT": str(free_port()), "RAYPAI_DASHBOARD_PORT": str(free_port()),
-           "RAYPAI_CLIENT_PORT": str(free_port()), "RAYPAI_AGENT_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "RAY": str(Path(sys.executable).parent / "ray"),
+        "RAYPAI_CLUSTER_DIR": str(state),
+        "RAYPAI_CLUSTER_PORT": str(free_port()),
+        "RAYPAI_DASHBOARD_PORT": str(free_port()),
+        "RAYPAI_CLIENT_PORT": str(free_port()),
+        "RAYPAI_AGENT_PORT": str(free_port()),
+    }
     up = subprocess.run([str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=240)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         pids = [int((state / f"{n}.pid").read_text()) for n in ("head", "worker")]
-        yield {"address": f"http://127.0.0.1:{env['RAYPAI_DASHBOARD_PORT']}", "token": state / "auth_token",
-               "pids": pids, "env": env}
+        yield {
+            "address": f"http://127.0.0.1:{env['RAYPAI_DASHBOARD_PORT']}",
+            "token": state / "auth_token",
+            "pids": pids,
+            "env": env,
+        }
     finally:
         down = subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr
@@ -71,7 +81,7 @@ def test_job_with_the_wheel_runs_tasks_on_both_nodes(cluster, wheel, tmp_path, m
     (job_dir / "where.py").write_text(JOB)
     job = submit("python where.py", cluster["address"], wheel=wheel, working_dir=job_dir, timeout_s=240)
     assert job.status == "SUCCEEDED", job.logs[-3000:]
-    result = json.loads(next(l for l in job.logs.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = json.loads(next(l for l in job.logs.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
     tasks = result["tasks"]
     assert len({t["node"] for t in tasks}) == 2  # head and worker node both ran tasks
     # every process imported raypai, mapped subpackages included, from the shipped wheel package,
@@ -106,8 +116,19 @@ def test_raypai_submit_ships_the_pipeline_file_and_reports_the_jobs_outcome(clus
     app = typer.Typer()
     app.command()(submit_command)  # mounted as `raypai submit` by raypai.cli
     app.command("unused")(lambda: None)  # two commands: typer keeps `submit` as a subcommand name
-    result = CliRunner().invoke(app, ["submit-command", "pipelines/toy.py", "--address", cluster["address"],
-                                      "--wheel", str(wheel), "--param", "no_such_param=1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "submit-command",
+            "pipelines/toy.py",
+            "--address",
+            cluster["address"],
+            "--wheel",
+            str(wheel),
+            "--param",
+            "no_such_param=1",
+        ],
+    )
     out = result.stdout + result.stderr
     assert result.exit_code == 1, out[-3000:]
     assert "python -m raypai.cli run toy.py --param=no_such_param=1" in out  # the file, alone

@@ -106,8 +106,10 @@ def test_compose_wires_mlflow_to_postgres_and_the_s3_bucket():
     bucket = opt["--artifacts-destination"].removeprefix("s3://").split("/")[0]
     assert f"local/{bucket}" in " ".join(services["minio-init"]["command"])
     assert services["mlflow"]["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
-    assert services["mlflow"]["depends_on"] == {"postgres": {"condition": "service_healthy"},
-                                                "minio-init": {"condition": "service_completed_successfully"}}
+    assert services["mlflow"]["depends_on"] == {
+        "postgres": {"condition": "service_healthy"},
+        "minio-init": {"condition": "service_completed_successfully"},
+    }
     assert (INFRA / services["mlflow"]["build"]["dockerfile"]).exists()
 
 
@@ -119,8 +121,12 @@ def test_compose_ports_and_exports_match_raypai_services_defaults():
     published = {int(p.split(":")[0]) for s in services.values() for p in s.get("ports", [])}
     defaults = ServicesConfig(home=Path("/unused"))
     assert {defaults.mlflow_port, defaults.s3_port, 5432} <= published
-    exports = dict(re.findall(r"(\w+)=(\S+)", "\n".join(l for l in (INFRA / "compose.yaml").read_text().splitlines()
-                                                         if l.startswith("#   export"))))
+    exports = dict(
+        re.findall(
+            r"(\w+)=(\S+)",
+            "\n".join(l for l in (INFRA / "compose.yaml").read_text().splitlines() if l.startswith("#   export")),
+        )
+    )
     env = service_env(defaults)
     for key in ("MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "AWS_ENDPOINT_URL"):
         assert exports[key] == env[key], key
@@ -132,14 +138,17 @@ def test_cluster_launcher_config_passes_rays_schema_and_uses_the_image():
 
     config = yaml.safe_load((INFRA / "ray-cluster.yaml").read_text())
     validate_config(prepare_config(dict(config)))  # raises on any schema violation
-    assert config["docker"]["image"] == _pod_containers(
-        _docs("raycluster.yaml")["RayCluster"]["spec"]["headGroupSpec"]["template"])[0]["image"]
+    assert (
+        config["docker"]["image"]
+        == _pod_containers(_docs("raycluster.yaml")["RayCluster"]["spec"]["headGroupSpec"]["template"])[0]["image"]
+    )
     # every node sources the env file before `ray start`, and the example file holds valid settings
     env_file = next(iter(config["file_mounts"]))
     for cmd in config["head_start_ray_commands"][1:] + config["worker_start_ray_commands"][1:]:
         assert f". {env_file}" in cmd and "ray start" in cmd
-    example = dict(l.split("=", 1) for l in (INFRA / "raypai.env.example").read_text().splitlines()
-                   if l and not l.startswith("#"))
+    example = dict(
+        l.split("=", 1) for l in (INFRA / "raypai.env.example").read_text().splitlines() if l and not l.startswith("#")
+    )
     assert Settings.load(example).artifact_uri.startswith("s3://") and example["RAY_AUTH_MODE"] == "token"
 
 
@@ -148,7 +157,10 @@ def test_local_cluster_script_parses_and_never_stops_every_ray_on_the_machine(tm
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     code = [l.split("#", 1)[0] for l in script.read_text().splitlines()]
     assert not any(re.search(r"\bray\b.*\bstop\b|\$RAY\"? stop", l) for l in code), "use the pid files, not ray stop"
-    bad = subprocess.run([str(script), "sideways"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "RAY": str(ROOT / ".venv" / "bin" / "ray"),
-                              "RAYPAI_CLUSTER_DIR": str(tmp_path)})
+    bad = subprocess.run(
+        [str(script), "sideways"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "RAY": str(ROOT / ".venv" / "bin" / "ray"), "RAYPAI_CLUSTER_DIR": str(tmp_path)},
+    )
     assert bad.returncode == 2 and "usage:" in bad.stderr

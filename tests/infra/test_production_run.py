@@ -17,8 +17,14 @@ from raypai.runner import Runner, tracker_for
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 
-_RAYPAI_VARS = ("RAYPAI_HOME", "RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI", "RAY_ADDRESS",
-                "RAYPAI_CONFIG")
+_RAYPAI_VARS = (
+    "RAYPAI_HOME",
+    "RAYPAI_DATABASE_URL",
+    "MLFLOW_TRACKING_URI",
+    "RAYPAI_ARTIFACT_URI",
+    "RAY_ADDRESS",
+    "RAYPAI_CONFIG",
+)
 PARAMS = dict(n=12, seed=3)
 
 
@@ -39,8 +45,10 @@ def runs(running_services, tmp_path_factory):
         services = {k: env[k] for k in ("RAYPAI_DATABASE_URL", "MLFLOW_TRACKING_URI", "RAYPAI_ARTIFACT_URI")}
         prod = Settings.load({"RAYPAI_HOME": str(tmp_path_factory.mktemp("prod")), **services})
         embedded = Settings.load({"RAYPAI_HOME": str(tmp_path_factory.mktemp("embedded"))})
-        out = {name: (s, Runner(s, progress=lambda e: None).run(toy.build(**PARAMS)))
-               for name, s in (("production", prod), ("embedded", embedded))}
+        out = {
+            name: (s, Runner(s, progress=lambda e: None).run(toy.build(**PARAMS)))
+            for name, s in (("production", prod), ("embedded", embedded))
+        }
         yield cfg, env, out
 
 
@@ -51,8 +59,13 @@ def _tree(settings, result) -> dict:
 def _s3(env):
     import boto3
 
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_REGION"],
+    )
 
 
 def test_production_settings_point_at_the_services(runs):
@@ -101,8 +114,9 @@ def test_mlflow_records_are_identical_in_shape(runs):
     assert shape["param_keys"] == ["fail_if_exists", "n", "seed", "upper"]
     assert sorted(shape["children"]) == ["count", "transform", "write_text"]
     count = shape["children"]["count"][0]
-    assert count["metric_keys"] == ["distinct_words", "words"] and count["inputs"] == [["transformed", "input",
-                                                                                        "dataset"]]
+    assert count["metric_keys"] == ["distinct_words", "words"] and count["inputs"] == [
+        ["transformed", "input", "dataset"]
+    ]
     assert "raypai.step_run_id" in count["tag_keys"] and "mlflow.parentRunId" in count["tag_keys"]
     # and the same values: the server stored what the embedded store stored
     metrics = {name: tracker_for(s).client.get_run(_child(s, r, "count")).data.metrics for name, (s, r) in out.items()}
@@ -111,7 +125,8 @@ def test_mlflow_records_are_identical_in_shape(runs):
 
 def _child(settings, result, node: str) -> str:
     return MetadataStore(settings.database_url, migrate_schema=False).get_step_run(result[node].step_run_id)[
-        "mlflow_run_id"]
+        "mlflow_run_id"
+    ]
 
 
 def test_artifacts_are_objects_in_the_bucket(runs):
@@ -121,7 +136,7 @@ def test_artifacts_are_objects_in_the_bucket(runs):
     for node in ("write_text", "transform", "count"):
         art, local = prod_result[node].output(), emb_result[node].output()
         prefix = art.uri.removeprefix(f"s3://{cfg.bucket}/") + "/"
-        keys = sorted(o["Key"][len(prefix):] for o in s3.list_objects_v2(Bucket=cfg.bucket, Prefix=prefix)["Contents"])
+        keys = sorted(o["Key"][len(prefix) :] for o in s3.list_objects_v2(Bucket=cfg.bucket, Prefix=prefix)["Contents"])
         files = sorted(p.relative_to(local.uri).as_posix() for p in local.local_path().rglob("*") if p.is_file())
         assert keys == files, (node, keys, files)  # the same files, the commit marker included
         assert "_RAYPAI_COMMITTED.json" in keys
@@ -139,8 +154,14 @@ def test_runs_are_in_postgresql(runs):
     engine = create_engine(cfg.db_url(cfg.mlflow_db))
     try:
         with engine.connect() as conn:
-            rows = dict(conn.execute(text("SELECT r.run_uuid, r.status FROM runs r JOIN experiments e "
-                                          "ON r.experiment_id = e.experiment_id WHERE e.name = 'toy'")).all())
+            rows = dict(
+                conn.execute(
+                    text(
+                        "SELECT r.run_uuid, r.status FROM runs r JOIN experiments e "
+                        "ON r.experiment_id = e.experiment_id WHERE e.name = 'toy'"
+                    )
+                ).all()
+            )
     finally:
         engine.dispose()
     assert rows == {rid: "FINISHED" for rid in [result.mlflow_run_id, *child_ids.values()]}
@@ -148,10 +169,12 @@ def test_runs_are_in_postgresql(runs):
     engine = create_engine(prod.database_url)
     try:
         with engine.connect() as conn:
-            steps = dict(conn.execute(text("SELECT node, state FROM step_runs WHERE run_id = :r"),
-                                      {"r": result.run_id}).all())
-            run = conn.execute(text("SELECT state, mlflow_run_id FROM pipeline_runs WHERE id = :r"),
-                               {"r": result.run_id}).one()
+            steps = dict(
+                conn.execute(text("SELECT node, state FROM step_runs WHERE run_id = :r"), {"r": result.run_id}).all()
+            )
+            run = conn.execute(
+                text("SELECT state, mlflow_run_id FROM pipeline_runs WHERE id = :r"), {"r": result.run_id}
+            ).one()
             arts = conn.execute(text("SELECT uri FROM artifacts")).scalars().all()
     finally:
         engine.dispose()
@@ -181,18 +204,31 @@ def test_registry_on_the_server_matches_embedded(runs, tmp_path):
         (model / "config.json").write_text('{"model_type": "llama"}')
         (model / "model.safetensors").write_bytes(name.encode() * 4096)
         tracker = tracker_for(s)
-        version = tracker.register_model(model, "toy-model", run_id=_child(s, r, "count"), alias="champion",
-                                         tags={"raypai.artifact_id": r.result.id, "raypai.digest": r.result.digest})
-        assert tracker.resolve_model("toy-model", "champion") == (version, {"raypai.artifact_id": r.result.id,
-                                                                            "raypai.digest": r.result.digest})
+        version = tracker.register_model(
+            model,
+            "toy-model",
+            run_id=_child(s, r, "count"),
+            alias="champion",
+            tags={"raypai.artifact_id": r.result.id, "raypai.digest": r.result.digest},
+        )
+        assert tracker.resolve_model("toy-model", "champion") == (
+            version,
+            {"raypai.artifact_id": r.result.id, "raypai.digest": r.result.digest},
+        )
         shapes[name] = registry_shape(tracker, "toy-model")
         sources[name] = tracker.model_source("toy-model", version)
         got = tracker.download_model("toy-model", version, cache_dir=tmp_path / "shared-cache")
         assert (got / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
     assert differences(shapes["production"], shapes["embedded"]) == []
-    assert shapes["production"]["versions"] == [{"version": 1, "status": "READY", "aliases": ["champion"],
-                                                 "tag_keys": ["raypai.artifact_id", "raypai.digest"],
-                                                 "run_name": "count"}]
+    assert shapes["production"]["versions"] == [
+        {
+            "version": 1,
+            "status": "READY",
+            "aliases": ["champion"],
+            "tag_keys": ["raypai.artifact_id", "raypai.digest"],
+            "run_name": "count",
+        }
+    ]
     assert sources["production"].startswith("mlflow-artifacts:/")  # proxied by the server ...
     keys = [o["Key"] for o in _s3(env).list_objects_v2(Bucket=cfg.bucket, Prefix="mlflow/")["Contents"]]
     assert any(k.endswith("/artifacts/model/model.safetensors") for k in keys)  # ... into the bucket

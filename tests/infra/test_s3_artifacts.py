@@ -47,8 +47,13 @@ class S3Server:
                 if not down.is_set():  # once stopping, a new connection is closed unanswered
                     super().handle()
 
-        self._srv = make_server("127.0.0.1", self.port, DomainDispatcherApplication(create_backend_app),
-                                threaded=True, request_handler=Tracked)
+        self._srv = make_server(
+            "127.0.0.1",
+            self.port,
+            DomainDispatcherApplication(create_backend_app),
+            threaded=True,
+            request_handler=Tracked,
+        )
         self._conns = conns
         self._thread = threading.Thread(target=self._srv.serve_forever, daemon=True)
         self._thread.start()
@@ -75,8 +80,12 @@ def s3(free_port, monkeypatch):
 
     server = S3Server(free_port()).start()
     endpoint = f"http://127.0.0.1:{server.port}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "raypai", "AWS_SECRET_ACCESS_KEY": "secret",
-                 "AWS_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "raypai",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     client = boto3.client("s3")
     bucket = f"raypai-{os.urandom(4).hex()}"

@@ -16,9 +16,15 @@ from raypai.tools.services import ServicesConfig, down, status, up
 @pytest.fixture
 def services_cfg(tmp_path, pg_server_url, free_port):
     tag = uuid.uuid4().hex[:8]
-    cfg = ServicesConfig(home=tmp_path / "home", postgres_url=pg_server_url, mlflow_db=f"raypai_mlflow_t{tag}",
-                         metadata_db=f"raypai_t{tag}", mlflow_port=free_port(), s3_port=free_port(),
-                         bucket=f"raypai-t{tag}")
+    cfg = ServicesConfig(
+        home=tmp_path / "home",
+        postgres_url=pg_server_url,
+        mlflow_db=f"raypai_mlflow_t{tag}",
+        metadata_db=f"raypai_t{tag}",
+        mlflow_port=free_port(),
+        s3_port=free_port(),
+        bucket=f"raypai-t{tag}",
+    )
     yield cfg
     down(cfg)
     engine = create_engine(pg_server_url, isolation_level="AUTOCOMMIT")
@@ -59,8 +65,13 @@ def test_up_status_log_to_mlflow_with_s3_artifacts_then_down(services_cfg, tmp_p
     engine.dispose()
     assert row == ("FINISHED",)
     # ... and the artifact is an object in the bucket, written by the server through the S3 API
-    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_REGION"],
+    )
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=cfg.bucket, Prefix="mlflow/").get("Contents", [])]
     key = next(k for k in keys if k.endswith(f"{run.info.run_id}/artifacts/reports/report.txt"))
     assert s3.get_object(Bucket=cfg.bucket, Key=key)["Body"].read() == report.read_bytes()
@@ -76,16 +87,27 @@ def test_up_status_log_to_mlflow_with_s3_artifacts_then_down(services_cfg, tmp_p
 
 
 def test_unreachable_postgres_fails_before_starting_anything(tmp_path, free_port):
-    cfg = ServicesConfig(home=tmp_path, postgres_url=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres",
-                         mlflow_port=free_port(), s3_port=free_port())
+    cfg = ServicesConfig(
+        home=tmp_path,
+        postgres_url=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres",
+        mlflow_port=free_port(),
+        s3_port=free_port(),
+    )
     with pytest.raises(StoreError, match="--postgres-url"):
         up(cfg)
     assert not list((tmp_path / "services").glob("*.pid"))
 
 
 def test_config_errors_are_reported_together(tmp_path):
-    bad = ServicesConfig(home=tmp_path, postgres_url="mysql://x", mlflow_db="Bad-Name", metadata_db="raypai",
-                         mlflow_port=9000, s3_port=9000, bucket="B")
+    bad = ServicesConfig(
+        home=tmp_path,
+        postgres_url="mysql://x",
+        mlflow_db="Bad-Name",
+        metadata_db="raypai",
+        mlflow_port=9000,
+        s3_port=9000,
+        bucket="B",
+    )
     with pytest.raises(ConfigError) as info:
         bad.validate()
     text_ = str(info.value)

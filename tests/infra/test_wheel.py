@@ -26,23 +26,31 @@ def _mapped_sources() -> dict[str, str]:
 
     dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     out = {}
-    files = subprocess.run(["git", "ls-files", *dirs.values()], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", *dirs.values()], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     for f in files:
         if not f.endswith(".py"):
             continue
         # the longest matching folder wins: "data/x.py" -> raypai/data/x.py, "platform/raypai/y.py" -> raypai/y.py
         pkg, folder = max(((p, d) for p, d in dirs.items() if f.startswith(d + "/")), key=lambda pd: len(pd[1]))
-        rel = f[len(folder) + 1:]
+        rel = f[len(folder) + 1 :]
         out[(pkg.replace(".", "/") + "/" + rel) if pkg else rel] = f
     return out
 
 
 def test_wheel_holds_every_mapped_subpackage_and_nothing_else(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for must in ("raypai/__init__.py", "raypai/data/__init__.py", "raypai/serving/__init__.py",
-                 "raypai/alignment/__init__.py", "raypai/pipelines/tinychat.py", "raypai/train/__init__.py",
-                 "raypai/tools/cluster.py", "raypai/tools/services.py"):
+    for must in (
+        "raypai/__init__.py",
+        "raypai/data/__init__.py",
+        "raypai/serving/__init__.py",
+        "raypai/alignment/__init__.py",
+        "raypai/pipelines/tinychat.py",
+        "raypai/train/__init__.py",
+        "raypai/tools/cluster.py",
+        "raypai/tools/services.py",
+    ):
         assert must in names, must
     missing = sorted(set(_mapped_sources()) - names)
     assert not missing, f"tracked modules missing from the wheel: {missing[:10]}"
@@ -62,8 +70,9 @@ def test_unchanged_tree_reuses_the_built_wheel(wheel):
 def test_unpacked_package_is_a_complete_py_modules_entry(wheel):
     pkg = wheel_modules(wheel)
     assert pkg.name == "raypai" and (pkg / "data" / "__init__.py").exists() and (pkg / "serving").is_dir()
-    env = runtime_env(wheel, env={"RAYPAI_HOME": "/srv/raypai", "AWS_ENDPOINT_URL": "http://s3:9000",
-                                  "AWS_SECRET_ACCESS_KEY": "hush"})
+    env = runtime_env(
+        wheel, env={"RAYPAI_HOME": "/srv/raypai", "AWS_ENDPOINT_URL": "http://s3:9000", "AWS_SECRET_ACCESS_KEY": "hush"}
+    )
     assert env["py_modules"] == [str(pkg)] and "working_dir" not in env
     assert env["env_vars"]["AWS_ENDPOINT_URL"] == "http://s3:9000" and env["env_vars"]["RAYPAI_HOME"] == "/srv/raypai"
     assert "AWS_SECRET_ACCESS_KEY" not in env["env_vars"]  # secrets only with forward_credentials
@@ -71,15 +80,17 @@ def test_unpacked_package_is_a_complete_py_modules_entry(wheel):
 
 
 def _git(cwd: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True, capture_output=True
+    )
 
 
 def test_clean_tree_ships_working_tree_edits_but_not_ignored_files_and_ref_ships_the_commit(tmp_path):
     repo = tmp_path / "repo"
     (repo / "src" / "pkg").mkdir(parents=True)
-    (repo / "pyproject.toml").write_text('[project]\nname = "pkg"\nreadme = "README.md"\n'
-                                         '[tool.setuptools.package-dir]\n"" = "src"\n')
+    (repo / "pyproject.toml").write_text(
+        '[project]\nname = "pkg"\nreadme = "README.md"\n[tool.setuptools.package-dir]\n"" = "src"\n'
+    )
     (repo / "README.md").write_text("pkg\n")
     (repo / "src" / "pkg" / "__init__.py").write_text("V = 1\n")
     (repo / ".gitignore").write_text("*.log\n")
@@ -88,8 +99,8 @@ def test_clean_tree_ships_working_tree_edits_but_not_ignored_files_and_ref_ships
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "one")
     (repo / "src" / "pkg" / "__init__.py").write_text("V = 2\n")  # uncommitted edit
-    (repo / "src" / "pkg" / "new.py").write_text("")                # untracked, not ignored
-    (repo / "src" / "pkg" / "debug.log").write_text("noise")        # ignored
+    (repo / "src" / "pkg" / "new.py").write_text("")  # untracked, not ignored
+    (repo / "src" / "pkg" / "debug.log").write_text("noise")  # ignored
 
     work = tmp_path / "work"
     key_work = export_clean_tree(repo, work)
@@ -113,8 +124,9 @@ def test_token_lookup_follows_rays_precedence_and_keeps_the_local_token_local(tm
     local, remote = "http://127.0.0.1:8265", "http://ray-head.example:8265"
     bearer = lambda t: {"Authorization": f"Bearer {t}"}  # noqa: E731
     assert auth_headers(local, "explicit", env={"RAY_AUTH_TOKEN": "env"}) == bearer("explicit")
-    assert auth_headers(local, env={"RAY_AUTH_TOKEN": "env", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "tok")}) \
-        == bearer("env")
+    assert auth_headers(local, env={"RAY_AUTH_TOKEN": "env", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "tok")}) == bearer(
+        "env"
+    )
     assert auth_headers(remote, env={"RAY_AUTH_TOKEN_PATH": str(tmp_path / "tok")}) == bearer("file-token")
     assert auth_headers(local, env={}) == bearer("local-token")
     assert auth_headers(remote, env={}) == {}  # this machine's token is not sent to another host

@@ -21,14 +21,27 @@ def build_tiny_model(folder, *, hidden: int = 32, layers: int = 1, context: int 
     from raypai.data.tokenizer import train_tokenizer
 
     (folder / "ds").mkdir(parents=True)
-    texts = ["the quick brown fox jumps over the lazy dog"] * 20 + [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
-    pq.write_table(pa.table({"doc_id": [str(i) for i in range(len(texts))], "text": texts, "source": ["t"] * len(texts)}),
-                   folder / "ds" / "part-00000.parquet")
+    texts = ["the quick brown fox jumps over the lazy dog"] * 20 + [
+        f"{a}+{b}={a + b}" for a in range(10) for b in range(10)
+    ]
+    pq.write_table(
+        pa.table({"doc_id": [str(i) for i in range(len(texts))], "text": texts, "source": ["t"] * len(texts)}),
+        folder / "ds" / "part-00000.parquet",
+    )
     train_tokenizer(folder / "ds", folder / "m", vocab_size=300, min_frequency=1)
     tok = AutoTokenizer.from_pretrained(folder / "m")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=context,
-                         initializer_range=init_std, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        initializer_range=init_std,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder / "m")
     return folder / "m"

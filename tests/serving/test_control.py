@@ -17,8 +17,11 @@ def test_unknown_deployment_names_the_known_ones_and_the_next_step(tmp_path, mon
     settings = Settings.load()
     store = MetadataStore(settings.database_url)
     ctl = Controller(settings, store=store, tracker=Tracker(settings.mlflow_tracking_uri))
-    with pytest.raises(NotFoundError, match=r"deployment 'chat' not found \(known deployments: none yet\); "
-                                            r"list them with `raypai deploy list`"):
+    with pytest.raises(
+        NotFoundError,
+        match=r"deployment 'chat' not found \(known deployments: none yet\); "
+        r"list them with `raypai deploy list`",
+    ):
         ctl.describe("chat")
     store.save_deployment("chatbot", DeploymentSpec(model="m", version=1), "running")
     store.save_deployment("summary", DeploymentSpec(model="m", version=2), "running")

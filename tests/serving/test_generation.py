@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from raypai.serving.engine import Engine
-from raypai.serving.generation import (GenRequest, cut_at_stop, generate_batch, left_pad, next_token, nucleus_probs,
-                                       stream_safe_prefix)
+from raypai.serving.generation import (
+    GenRequest,
+    cut_at_stop,
+    generate_batch,
+    left_pad,
+    next_token,
+    nucleus_probs,
+    stream_safe_prefix,
+)
 
 
 def test_cut_at_stop_takes_the_earliest_stop_and_drops_it():
@@ -82,8 +89,16 @@ def test_sampling_respects_max_tokens_and_seed(model_tok):
     assert texts[0].completion_tokens == 5 and texts[0].finish_reason == "length" and texts[0].text == texts[1].text
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py runs this check on a GPU machine)")])
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="needs a CUDA device (benchmarks/gpu_check.py runs this check on a GPU machine)",
+        ),
+    ],
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -119,19 +134,23 @@ def test_continuous_batching_streams_deltas_and_honours_stops(model_tok):
     full = generate_batch(model, tok, [GenRequest(tok("1+2=")["input_ids"], 8, 0.0)], {tok.eos_token_id})[0]
     stop = full.text[2:4]
     engine = Engine(model, tok, {tok.eos_token_id})
-    events = engine.add([("s", GenRequest(tok("1+2=")["input_ids"], 8, 0.0, stop=[stop], stream=True)),
-                         ("n", GenRequest(tok("1+2=")["input_ids"], 8, 0.0))])
+    events = engine.add(
+        [
+            ("s", GenRequest(tok("1+2=")["input_ids"], 8, 0.0, stop=[stop], stream=True)),
+            ("n", GenRequest(tok("1+2=")["input_ids"], 8, 0.0)),
+        ]
+    )
     while engine.active:
         events += engine.step()
     streamed = [e for e in events if e.key == "s"]
     assert "".join(e.delta for e in streamed) == streamed[-1].result.text == full.text[: full.text.index(stop)]
     assert streamed[-1].result.finish_reason == "stop"
-    batched = generate_batch(model, tok, [GenRequest(tok("1+2=")["input_ids"], 8, 0.0, stop=[stop])],
-                             {tok.eos_token_id})[0]
+    batched = generate_batch(
+        model, tok, [GenRequest(tok("1+2=")["input_ids"], 8, 0.0, stop=[stop])], {tok.eos_token_id}
+    )[0]
     assert batched.text == streamed[-1].result.text and batched.finish_reason == "stop"  # static path agrees
     plain = [e for e in events if e.key == "n"]
     assert len(plain) == 1 and plain[0].result.text == full.text  # no deltas unless streaming
-
 
 
 def test_admission_waits_for_a_group_but_never_long():

@@ -16,7 +16,6 @@ from raypai.settings import Settings
 from raypai.tracking import Tracker
 
 
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,6 +43,7 @@ def stack(tmp_path_factory, tiny_model_dir):
     store = MetadataStore(settings.database_url)
     tokens = {"deploy": store.create_token("deployer", ["deploy"]), "infer": store.create_token("client", ["infer"])}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+
     def start_server():
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
@@ -59,17 +59,31 @@ def stack(tmp_path_factory, tiny_model_dir):
         raise RuntimeError("deploy API did not start")
 
     server, api = start_server()
-    yield {"api": api, "tokens": tokens, "v1": v1, "v2": v2, "restart": start_server, "tracker": tracker,
-           "model_dir": model_dir,
-           "server": server, "store": store, "settings": settings}
+    yield {
+        "api": api,
+        "tokens": tokens,
+        "v1": v1,
+        "v2": v2,
+        "restart": start_server,
+        "tracker": tracker,
+        "model_dir": model_dir,
+        "server": server,
+        "store": store,
+        "settings": settings,
+    }
     server.should_exit = True
     serve.shutdown()
     ray.shutdown()
 
 
 def _api(stack, method, path, body=None, token="deploy"):
-    return httpx.request(method, stack["api"] + path, json=body, timeout=300,
-                         headers={"Authorization": f"Bearer {stack['tokens'][token]}"})
+    return httpx.request(
+        method,
+        stack["api"] + path,
+        json=body,
+        timeout=300,
+        headers={"Authorization": f"Bearer {stack['tokens'][token]}"},
+    )
 
 
 def test_serve_refuses_a_port_another_server_already_listens_on(stack):
@@ -114,32 +128,48 @@ def test_deploy_query_canary_rollback_delete(stack):
     assert comp.usage.prompt_tokens > 0 and comp.usage.completion_tokens <= 4
     raw = client.completions.with_raw_response.create(model="chat", prompt="the", max_tokens=2)
     assert raw.headers["x-raypai-model-version"] == f"tiny/{stack['v1']}"
-    chunks = list(client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=6, stream=True, temperature=0))
+    chunks = list(
+        client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True, temperature=0
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason in ("stop", "length")
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
-    same = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                          temperature=0)
+    same = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
     assert streamed == same.choices[0].message.content  # streaming and batching agree (greedy)
 
     # the manual rollback is under test here: the router's own rollback of a `worse` canary
     # (test_a_failing_canary_is_refused_promotion_and_rolled_back_by_itself) is turned off, or a slow
     # moment on a loaded machine can judge the canary's latency worse and remove it first (CI, 11-28)
-    r = _api(stack, "PATCH", "/api/v1/deployments/chat", {"canary_version": stack["v2"], "canary_percent": 50,
-                                                           "canary_policy": {"auto_rollback": False}})
+    r = _api(
+        stack,
+        "PATCH",
+        "/api/v1/deployments/chat",
+        {"canary_version": stack["v2"], "canary_percent": 50, "canary_policy": {"auto_rollback": False}},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["spec"]["canary_percent"] == 50 and r.json()["spec"]["canary_version"] == stack["v2"]
     time.sleep(1.5)  # the router refreshes its table every second
-    served = [client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1)
-              .headers["x-raypai-model-version"] for _ in range(40)]
+    served = [
+        client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1).headers[
+            "x-raypai-model-version"
+        ]
+        for _ in range(40)
+    ]
     assert set(served) == {f"tiny/{stack['v1']}", f"tiny/{stack['v2']}"}
     assert 8 <= served.count(f"tiny/{stack['v2']}") <= 32
 
     r = _api(stack, "POST", "/api/v1/deployments/chat/rollback")
     assert r.status_code == 200 and r.json()["spec"]["canary_version"] is None
     time.sleep(1.5)
-    assert {client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1)
-            .headers["x-raypai-model-version"] for _ in range(8)} == {f"tiny/{stack['v1']}"}
+    assert {
+        client.completions.with_raw_response.create(model="chat", prompt="a", max_tokens=1).headers[
+            "x-raypai-model-version"
+        ]
+        for _ in range(8)
+    } == {f"tiny/{stack['v1']}"}
     assert _api(stack, "DELETE", "/api/v1/deployments/chat").status_code == 204
     assert _api(stack, "GET", "/api/v1/deployments/chat").status_code == 404
 
@@ -175,9 +205,13 @@ def test_auth_and_registry_only(stack):
     r = httpx.get(OPENAI + "/models", headers={"Authorization": f"Bearer {stack['tokens']['deploy']}"})
     assert r.status_code == 403
     temp = stack["store"].create_token("short-lived", ["deploy"])
-    assert httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 200
+    assert (
+        httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 200
+    )
     stack["store"].revoke_token("short-lived")
-    assert httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 401
+    assert (
+        httpx.get(stack["api"] + "/api/v1/deployments", headers={"Authorization": f"Bearer {temp}"}).status_code == 401
+    )
 
 
 def test_bad_requests_get_openai_errors_never_500(stack):
@@ -186,7 +220,8 @@ def test_bad_requests_get_openai_errors_never_500(stack):
     assert r.status_code == 201 and r.json()["spec"]["version"] == stack["v2"], r.text
     h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
     cases = [
-        (b"{not json", 400), (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
+        (b"{not json", 400),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404),
         (json.dumps({"model": "val", "prompt": "x", "max_tokens": -1}).encode(), 400),
         (json.dumps({"model": "val", "prompt": "x", "max_tokens": 10**9}).encode(), 400),
         (json.dumps({"model": "val", "prompt": "word " * 500, "max_tokens": 8}).encode(), 400),
@@ -204,8 +239,17 @@ def test_bad_requests_get_openai_errors_never_500(stack):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     r = _api(stack, "POST", "/api/v1/deployments", {"name": "val", "model": "tiny", "version": stack["v1"]})
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
-    r = _api(stack, "POST", "/api/v1/deployments", {"name": "auto", "model": "tiny", "version": stack["v1"],
-                                                    "autoscaling": {"min_replicas": 3, "max_replicas": 1}})
+    r = _api(
+        stack,
+        "POST",
+        "/api/v1/deployments",
+        {
+            "name": "auto",
+            "model": "tiny",
+            "version": stack["v1"],
+            "autoscaling": {"min_replicas": 3, "max_replicas": 1},
+        },
+    )
     assert r.status_code == 400 and "min_replicas" in r.json()["error"]["message"]
 
 
@@ -216,8 +260,11 @@ def test_cli_mirrors_the_api(stack):
     from raypai.serving.cli import deploy_app, token_app
 
     cli = CliRunner()
-    made = cli.invoke(token_app, ["create", "cli-user", "--scope", "infer", "--scope", "deploy"],
-                      env={"RAYPAI_HOME": str(stack["settings"].home)})
+    made = cli.invoke(
+        token_app,
+        ["create", "cli-user", "--scope", "infer", "--scope", "deploy"],
+        env={"RAYPAI_HOME": str(stack["settings"].home)},
+    )
     assert made.exit_code == 0, made.output
     token = made.stdout.strip().splitlines()[0]
     assert httpx.get(OPENAI + "/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
@@ -245,8 +292,14 @@ def test_schemathesis_finds_no_5xx_in_either_api(stack):
             # Invalid (negative) cases for JSON bodies; a string path parameter has no invalid value.
             has_body = op.body is not None and len(op.body) > 0
             for mode in schemathesis.GenerationMode if has_body else [schemathesis.GenerationMode.POSITIVE]:
-                @hsettings(max_examples=25, deadline=None, phases=[Phase.generate], database=None,
-                           suppress_health_check=list(HealthCheck))
+
+                @hsettings(
+                    max_examples=25,
+                    deadline=None,
+                    phases=[Phase.generate],
+                    database=None,
+                    suppress_health_check=list(HealthCheck),
+                )
                 @given(case=op.as_strategy(generation_mode=mode), live=st.booleans())
                 def fuzz(case, live):
                     if live and isinstance(case.body, dict) and "model" in case.body and "/v1/" in op.path:
@@ -259,7 +312,6 @@ def test_schemathesis_finds_no_5xx_in_either_api(stack):
     assert {"POST /v1/completions", "POST /v1/chat/completions", "PATCH /api/v1/deployments/{name}"} <= set(checked)
 
 
-
 def test_restarted_deploy_server_reconciles_from_the_store(stack):
     serve.delete(f"raypai-val-v{stack['v2']}")  # Serve "loses" the application
     assert f"raypai-val-v{stack['v2']}" not in serve.status().applications
@@ -268,8 +320,11 @@ def test_restarted_deploy_server_reconciles_from_the_store(stack):
     app = serve.status().applications[f"raypai-val-v{stack['v2']}"]
     assert app.status.value == "RUNNING"
     assert _api(stack, "GET", "/api/v1/deployments/val").json()["live"] == {str(stack["v2"]): "RUNNING"}
-    r = httpx.post(OPENAI + "/completions", json={"model": "val", "prompt": "the", "max_tokens": 2},
-                   headers={"Authorization": f"Bearer {stack['tokens']['infer']}"})
+    r = httpx.post(
+        OPENAI + "/completions",
+        json={"model": "val", "prompt": "the", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {stack['tokens']['infer']}"},
+    )
     assert r.status_code == 200 and r.headers["x-raypai-model-version"] == f"tiny/{stack['v2']}"
 
 
@@ -281,8 +336,11 @@ def test_killed_replica_under_load_is_replaced_with_a_brief_error_spike(stack):
     app = f"raypai-val-v{stack['v2']}"
 
     def replicas():
-        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["name"].startswith(f"SERVE_REPLICA::{app}#"))
+        return sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#")
+        )
 
     before = replicas()
     assert len(before) == 2, before
@@ -294,8 +352,11 @@ def test_killed_replica_under_load_is_replaced_with_a_brief_error_spike(stack):
             while not stop.is_set():
                 t0 = time.time()
                 try:
-                    code = c.post(OPENAI + "/completions", headers=h,
-                                  json={"model": "val", "prompt": "the quick", "max_tokens": 8}).status_code
+                    code = c.post(
+                        OPENAI + "/completions",
+                        headers=h,
+                        json={"model": "val", "prompt": "the quick", "max_tokens": 8},
+                    ).status_code
                 except httpx.HTTPError:
                     code = 0
                 log.append((t0, time.time() - t0, code))
@@ -319,11 +380,19 @@ def test_killed_replica_under_load_is_replaced_with_a_brief_error_spike(stack):
     errors = [(t, code) for t, _, code in log if code != 200]
     during = [lat for t, lat, _ in log if killed_at <= t <= replaced_at]
     steady = sorted(lat for t, lat, _ in log if t < killed_at)
-    print(json.dumps({"requests": len(log), "errors": len(errors), "error_codes": sorted({c for _, c in errors}),
-                      "error_window_s": round(max(t for t, _ in errors) - min(t for t, _ in errors), 2) if errors else 0,
-                      "replacement_s": round(replaced_at - killed_at, 1),
-                      "steady_p50_s": round(steady[len(steady) // 2], 3),
-                      "max_latency_during_s": round(max(during), 3) if during else None}))
+    print(
+        json.dumps(
+            {
+                "requests": len(log),
+                "errors": len(errors),
+                "error_codes": sorted({c for _, c in errors}),
+                "error_window_s": round(max(t for t, _ in errors) - min(t for t, _ in errors), 2) if errors else 0,
+                "replacement_s": round(replaced_at - killed_at, 1),
+                "steady_p50_s": round(steady[len(steady) // 2], 3),
+                "max_latency_during_s": round(max(during), 3) if during else None,
+            }
+        )
+    )
     assert len(log) > 40 and len(errors) <= 0.05 * len(log), errors  # at most a brief spike
     assert all(code in (0, 503) for _, code in errors)  # never a 500: a dead replica is "retry later"
     assert all(code == 200 for t, _, code in log if t > replaced_at)  # and none once replaced
@@ -342,8 +411,12 @@ def test_a_short_request_does_not_wait_for_a_long_batch_mate(stack):
     from raypai.serving.generation import GenRequest
     from raypai.serving.router import app_name
 
-    r = _api(stack, "POST", "/api/v1/deployments", {"name": "hol", "model": "tiny", "version": stack["v1"],
-                                                    "batch_wait_timeout_s": 0.3})
+    r = _api(
+        stack,
+        "POST",
+        "/api/v1/deployments",
+        {"name": "hol", "model": "tiny", "version": stack["v1"], "batch_wait_timeout_s": 0.3},
+    )
     assert r.status_code == 201, r.text
     handle = serve.get_app_handle(app_name("hol", stack["v1"]))
 
@@ -365,8 +438,9 @@ def test_a_short_request_does_not_wait_for_a_long_batch_mate(stack):
         assert _api(stack, "DELETE", "/api/v1/deployments/hol").status_code == 204
     assert short.completion_tokens == 1 and long.completion_tokens >= 40
     steps_after_short = long.finished_at_step - short.finished_at_step
-    assert steps_after_short >= 30, f"the short request finished only {steps_after_short} decode steps before " \
-                                    "its long batch-mate: it waited for it"
+    assert steps_after_short >= 30, (
+        f"the short request finished only {steps_after_short} decode steps before its long batch-mate: it waited for it"
+    )
 
 
 def _broken_copy(model_dir, out):
@@ -386,18 +460,27 @@ def _broken_copy(model_dir, out):
 def test_a_failing_canary_is_refused_promotion_and_rolled_back_by_itself(stack, tmp_path):
     h = {"Authorization": f"Bearer {stack['tokens']['infer']}"}
     v3 = stack["tracker"].register_model(_broken_copy(stack["model_dir"], tmp_path / "broken"), "tiny")
-    assert _api(stack, "POST", "/api/v1/deployments", {"name": "guarded", "model": "tiny",
-                                                       "version": stack["v1"]}).status_code == 201
-    r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {
-        "canary_version": v3, "canary_percent": 50, "canary_policy": {"min_requests": 5, "auto_rollback": False}})
+    assert (
+        _api(
+            stack, "POST", "/api/v1/deployments", {"name": "guarded", "model": "tiny", "version": stack["v1"]}
+        ).status_code
+        == 201
+    )
+    r = _api(
+        stack,
+        "PATCH",
+        "/api/v1/deployments/guarded",
+        {"canary_version": v3, "canary_percent": 50, "canary_policy": {"min_requests": 5, "auto_rollback": False}},
+    )
     assert r.status_code == 200, r.text
     r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {"promote": True})  # nothing measured yet
     assert r.status_code == 409 and "no traffic measured yet" in r.json()["error"]["message"], r.text
     time.sleep(1.5)  # the router refreshes its table every second
 
     def query() -> httpx.Response:
-        return httpx.post(OPENAI + "/completions", json={"model": "guarded", "prompt": "a", "max_tokens": 1},
-                          headers=h, timeout=60)
+        return httpx.post(
+            OPENAI + "/completions", json={"model": "guarded", "prompt": "a", "max_tokens": 1}, headers=h, timeout=60
+        )
 
     def described() -> dict:
         got = _api(stack, "GET", "/api/v1/deployments/guarded")
@@ -406,13 +489,19 @@ def test_a_failing_canary_is_refused_promotion_and_rolled_back_by_itself(stack, 
 
     answers = [query() for _ in range(30)]
     assert {a.status_code for a in answers} == {200, 500}, [a.status_code for a in answers]
-    assert all(a.headers.get("x-raypai-model-version") == f"tiny/{stack['v1']}" for a in answers if a.status_code == 200)
+    assert all(
+        a.headers.get("x-raypai-model-version") == f"tiny/{stack['v1']}" for a in answers if a.status_code == 200
+    )
     deadline = time.time() + 30
     while (check := described()["canary_check"])["decision"] != "worse" and time.time() < deadline:
         query()  # the router judges after answering, at most once a second
         time.sleep(0.5)
     assert check["decision"] == "worse" and "error rate" in check["reason"], check
-    assert check["stats"]["canary"]["errors"] >= 5 and check["stats"]["stable"]["errors"] == 0 and check["action"] == "none"
+    assert (
+        check["stats"]["canary"]["errors"] >= 5
+        and check["stats"]["stable"]["errors"] == 0
+        and check["action"] == "none"
+    )
 
     r = _api(stack, "PATCH", "/api/v1/deployments/guarded", {"promote": True})
     assert r.status_code == 409 and "refused" in r.json()["error"]["message"] and "error rate" in r.text, r.text

@@ -40,8 +40,13 @@ def test_the_pipelines_deploy_only_what_their_evaluation_promoted_unless_told_ot
     from raypai.pipelines.finetune import finetune
     from raypai.pipelines.tinychat import tinychat
 
-    files = {"model_dir": "m", "sft_data": "chats.jsonl", "eval_prompts": "held.jsonl", "pref_data": "prefs.jsonl",
-             "rewards": ["pkg.mod:fn"]}
+    files = {
+        "model_dir": "m",
+        "sft_data": "chats.jsonl",
+        "eval_prompts": "held.jsonl",
+        "pref_data": "prefs.jsonl",
+        "rewards": ["pkg.mod:fn"],
+    }
     for pipe, params in ((tinychat, {}), (finetune, files)):
         deploy, register, evaluate = _deploy_node(pipe.build(**params))
         assert (register.step.name, evaluate.step.name) == ("register", "evaluate"), pipe.name
@@ -66,8 +71,9 @@ def test_an_evaluation_without_improvement_deploys_nothing_and_says_why(raypai_h
     run_id = store.create_run("tinychat", {})
     srid = store.create_step_run(run_id, "register", "raypai.serving.steps:register", {}, None)
     tracker = tracker_for(raypai_home)
-    ctx = StepContext(raypai_home, run_id, srid, "register", "tinychat", store, ArtifactStore(raypai_home.artifact_uri),
-                      tracker, None)
+    ctx = StepContext(
+        raypai_home, run_id, srid, "register", "tinychat", store, ArtifactStore(raypai_home.artifact_uri), tracker, None
+    )
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     model = ctx.save(tmp_path / "model", kind="model", name="aligned_model")
@@ -89,5 +95,7 @@ def test_an_evaluation_without_improvement_deploys_nothing_and_says_why(raypai_h
     promoted = register.fn(ctx, model, name="chat", evaluation=better)
     assert promoted["promoted"] is True and promoted["alias"] == "champion"
     assert deploy_gate(promoted, require_promoted=True) is None
-    assert deploy_gate(promoted, require_promoted=True, evaluation=better,
-                       min_metrics={"candidate": 0.8}) == "metric gate: candidate=0.75 < 0.8"
+    assert (
+        deploy_gate(promoted, require_promoted=True, evaluation=better, min_metrics={"candidate": 0.8})
+        == "metric gate: candidate=0.75 < 0.8"
+    )

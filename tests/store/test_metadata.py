@@ -148,13 +148,17 @@ def test_deployment_spec_transitions_and_stored_json():
     assert err.value.problems == [
         "unknown option 'verison' (did you mean 'version'?); valid options: model, version, canary_version, "
         "canary_percent, previous_versions, replicas, autoscaling, cpus, gpus, batching, canary_policy",
-        "replicas must be int (got str 'two')", "version is required (int)"]
+        "replicas must be int (got str 'two')",
+        "version is required (int)",
+    ]
 
 
 def test_op_stats_round_trip(db_url):
     store = MetadataStore(db_url)
-    rows = [{"op_name": "dedup", "op_index": 1, "rows_in": 10, "rows_out": 7, "seconds": 0.5, "clusters": 2},
-            {"op_name": "length", "op_index": 0, "rows_in": 12, "rows_out": 10, "seconds": 0.1}]
+    rows = [
+        {"op_name": "dedup", "op_index": 1, "rows_in": 10, "rows_out": 7, "seconds": 0.5, "clusters": 2},
+        {"op_name": "length", "op_index": 0, "rows_in": 12, "rows_out": 10, "seconds": 0.1},
+    ]
     aid = uuid.uuid4().hex
     store.record_op_stats(None, aid, rows)
     got = store.op_stats(artifact_id=aid)
@@ -177,13 +181,16 @@ def test_concurrent_writers_from_ray_tasks_lose_nothing(db_url):
     run = store.create_run("concurrency", {})
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
+
         @ray.remote(num_cpus=1)
         def writer(url, run_id, worker, n):
             st = MetadataStore(url, migrate_schema=False)
             sid = st.create_step_run(run_id, f"w{worker}", "test:writer", {}, None)
             for i in range(n):
-                a = st.record_artifact(Artifact(uuid.uuid4().hex, "dataset", f"w{worker}-{i}", "/x",
-                                                f"{worker:04d}{i:060d}", i, {}), producer_step_run_id=sid)
+                a = st.record_artifact(
+                    Artifact(uuid.uuid4().hex, "dataset", f"w{worker}-{i}", "/x", f"{worker:04d}{i:060d}", i, {}),
+                    producer_step_run_id=sid,
+                )
                 st.add_edge(sid, a.id, f"out{i}", direction="output")
             return sid
 
@@ -200,8 +207,15 @@ def test_cache_components_and_the_run_a_miss_is_explained_against(db_url):
     step = f"m{uuid.uuid4().hex[:6]}:clean"
     parts = {"v": 1, "step": step, "code": {"m": "d1"}}
     a = store.create_run("pipe_a", {})
-    mine = store.create_step_run(a, "clean", step, {"n": 1}, "k1", cache_components=parts,
-                                 cache_reason="cache miss: no earlier run of this step recorded its key")
+    mine = store.create_step_run(
+        a,
+        "clean",
+        step,
+        {"n": 1},
+        "k1",
+        cache_components=parts,
+        cache_reason="cache miss: no earlier run of this step recorded its key",
+    )
     store.transition(mine, "succeeded")
     failed = store.create_step_run(store.create_run("pipe_a", {}), "clean", step, {}, "k2", cache_components=parts)
     store.transition(failed, "failed")  # failed runs are not what a key is compared with

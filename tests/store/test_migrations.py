@@ -22,7 +22,9 @@ def test_upgrade_from_empty_and_from_previous_revision(db_url):
         from raypai.store.models import Base  # every table of the current schema, dependents first
 
         for t in [t.name for t in reversed(Base.metadata.sorted_tables)] + ["alembic_version"]:
-            conn.execute(text(f"DROP TABLE IF EXISTS {t}" + (" CASCADE" if engine.dialect.name == "postgresql" else "")))
+            conn.execute(
+                text(f"DROP TABLE IF EXISTS {t}" + (" CASCADE" if engine.dialect.name == "postgresql" else ""))
+            )
     assert current_revision(engine) is None
     migrate(engine, "0001")
     assert current_revision(engine) == "0001"

@@ -39,6 +39,7 @@ def make_tokenizer(folder: Path, vocab: int = 64) -> Path:
 def peak_rss_growth(fn):
     """(fn(), how far this process's peak resident memory rose above its RSS at the call) in bytes.
     Linux: writing 5 to /proc/self/clear_refs restarts the peak (VmHWM) at the current RSS."""
+
     def status(key):
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
         return int(line.split()[1]) * 1024
@@ -90,8 +91,13 @@ def s3():
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "raypai", "AWS_SECRET_ACCESS_KEY": "secret",
-                     "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "raypai",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             mp.setenv(k, v)
         bucket = f"raypai-train-{uuid.uuid4().hex[:8]}"
         boto3.client("s3").create_bucket(Bucket=bucket)
@@ -115,8 +121,14 @@ def ray_train(s3):
         # dashboard_port: Ray records an API server address even without a dashboard (8265 by default),
         # and the cleaner asks the state API there; another Ray's dashboard on 8265 (an alignment test
         # running beside this file) answered "no such actor" and the cleaner removed the run's workers
-        ray.init(address="local", num_cpus=6, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-                 dashboard_port=_free_port(), log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=6,
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            dashboard_port=_free_port(),
+            log_to_driver=False,
+        )
         assert ray.get_runtime_context().gcs_address.endswith(f":{port}")
         yield
         ray.shutdown()

@@ -22,8 +22,14 @@ log_every: 2
 def _raypai(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYPAI_", "MLFLOW_TRACKING", "RAY_ADDRESS"))}
     env.update(RAYPAI_HOME=str(tmp_path / "home"), RAYPAI_DASHBOARD="0")
-    return subprocess.run([sys.executable, "-m", "raypai.cli", *map(str, args)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "raypai.cli", *map(str, args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_raypai_train_shows_progress_and_writes_a_loadable_model(shards, tokenizer_dir, tmp_path):
@@ -31,8 +37,18 @@ def test_raypai_train_shows_progress_and_writes_a_loadable_model(shards, tokeniz
 
     folder, _ = shards
     (tmp_path / "pretrain.yaml").write_text(CONFIG)
-    out = _raypai(tmp_path, "train", folder, tmp_path / "model", "--tokenizer", tokenizer_dir,
-                  "--config", tmp_path / "pretrain.yaml", "--name", "cli-run")
+    out = _raypai(
+        tmp_path,
+        "train",
+        folder,
+        tmp_path / "model",
+        "--tokenizer",
+        tokenizer_dir,
+        "--config",
+        tmp_path / "pretrain.yaml",
+        "--name",
+        "cli-run",
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     # progress from rank 0 reaches the terminal every log_every steps, then the summary

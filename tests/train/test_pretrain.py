@@ -20,13 +20,26 @@ from raypai.train.synthetic import write_token_shards
 
 from .conftest import OBJECT_STORE_BYTES, FileLogger, make_shards, make_tokenizer, peak_rss_growth
 
-TINY = ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=64)  # 78k params: small enough for the test-time budget
+TINY = ModelConfig(
+    layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, max_positions=64
+)  # 78k params: small enough for the test-time budget
 STEPS, EVERY = 40, 8
 
 
 def _cfg(**kw) -> PretrainConfig:
-    base = dict(model=TINY, steps=STEPS, warmup_steps=2, micro_batch=8, lr=5e-3, eval_every=20,
-                checkpoint_every=EVERY, log_every=1, workers=2, zero_stage=2, cpus_per_worker=1.0)
+    base = dict(
+        model=TINY,
+        steps=STEPS,
+        warmup_steps=2,
+        micro_batch=8,
+        lr=5e-3,
+        eval_every=20,
+        checkpoint_every=EVERY,
+        log_every=1,
+        workers=2,
+        zero_stage=2,
+        cpus_per_worker=1.0,
+    )
     return PretrainConfig(**{**base, **kw})
 
 
@@ -63,10 +76,22 @@ def reference(ray_train, big_shards, tokenizer_dir, tmp_path_factory):
             (tmp / "trace").mkdir()
             mp.setenv(FAULTS_ENV, Faults(trace_dir=str(tmp / "trace")).to_env())  # record the blocks read
             log = FileLogger(tmp / "metrics.jsonl")
-            res = pretrain(folder, tokenizer_dir, tmp / "model", _cfg(zero_stage=stage), name=f"zero{stage}",
-                           storage_path=tmp / "store", logger=log)
-            out[stage] = {"result": res, "rows": log.read(), "trace": _trace(tmp / "trace"), "model": tmp / "model",
-                          "store": tmp / "store"}
+            res = pretrain(
+                folder,
+                tokenizer_dir,
+                tmp / "model",
+                _cfg(zero_stage=stage),
+                name=f"zero{stage}",
+                storage_path=tmp / "store",
+                logger=log,
+            )
+            out[stage] = {
+                "result": res,
+                "rows": log.read(),
+                "trace": _trace(tmp / "trace"),
+                "model": tmp / "model",
+                "store": tmp / "store",
+            }
     return out
 
 
@@ -78,8 +103,17 @@ def test_two_worker_zero2_learns_below_unigram_entropy_and_exports_for_transform
     assert metrics["eval_loss"] < 0.5 * entropy, (metrics, entropy)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0]
-    assert {"lr", "tokens_per_s", "mfu", "grad_norm", "eval_loss", "eval_ppl", "step_time_s.rank0",
-            "step_time_s.rank1", "checkpoint_stall_s"} <= set().union(*rows)
+    assert {
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "grad_norm",
+        "eval_loss",
+        "eval_ppl",
+        "step_time_s.rank0",
+        "step_time_s.rank1",
+        "checkpoint_stall_s",
+    } <= set().union(*rows)
     assert metrics["checkpoints"] == STEPS // EVERY - 1  # every 8 steps, the last one is the final export
 
     import torch
@@ -105,8 +139,14 @@ def test_a_finished_run_called_again_returns_its_final_metrics(reference, big_sh
     folder, _ = big_shards
     ref = reference[0]["result"]["metrics"]
     # one worker is enough to resume a ZeRO-0 run (no optimizer partitions) and starts faster
-    res = pretrain(folder, tokenizer_dir, tmp_path / "model", _cfg(zero_stage=0, workers=1), name="zero0",
-                   storage_path=reference[0]["store"])
+    res = pretrain(
+        folder,
+        tokenizer_dir,
+        tmp_path / "model",
+        _cfg(zero_stage=0, workers=1),
+        name="zero0",
+        storage_path=reference[0]["store"],
+    )
     assert res["metrics"]["step"] == STEPS
     assert res["metrics"]["loss"] == ref["loss"] and res["metrics"]["eval_loss"] == ref["eval_loss"]
     info = json.loads((tmp_path / "model" / "raypai.json").read_text())
@@ -120,8 +160,9 @@ def test_a_finished_run_called_again_starts_no_workers(reference, big_shards, to
     folder, _ = big_shards
     run = reference[1]["store"] / "zero1"
     before = {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
-    res = pretrain(folder, tokenizer_dir, tmp_path / "model", _cfg(zero_stage=1), name="zero1",
-                   storage_path=reference[1]["store"])
+    res = pretrain(
+        folder, tokenizer_dir, tmp_path / "model", _cfg(zero_stage=1), name="zero1", storage_path=reference[1]["store"]
+    )
     after = {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
     assert after == before
     assert res["checkpoint_path"] == str(run / "checkpoint_000040")
@@ -150,7 +191,8 @@ def _keys(bucket: str, prefix: str) -> set[str]:
 
 
 def test_killed_workers_and_a_restarted_driver_resume_from_s3_checkpoints_with_the_same_data(
-        reference, big_shards, tokenizer_dir, s3, tmp_path, monkeypatch):
+    reference, big_shards, tokenizer_dir, s3, tmp_path, monkeypatch
+):
     """Drill, with checkpoints on the S3 server: the first driver allows no restart and dies with
     its worker at step 19 (checkpoint 16 uploaded and registered); a second driver with the same run
     name resumes at 16 from S3, its worker dies again at step 35 and Ray Train restarts the worker
@@ -166,7 +208,9 @@ def test_killed_workers_and_a_restarted_driver_resume_from_s3_checkpoints_with_t
     monkeypatch.chdir(tmp_path)  # a URI taken for a local path would land in ./s3:/...
     monkeypatch.setenv(FAULTS_ENV, Faults(trace_dir=str(trace), kill_worker_at_step=19).to_env())
     first = _cfg(max_failures=0, async_checkpoint=False)
-    with pytest.raises(TrainError, match=f"stay in {store}/drill, and calling pretrain again with name='drill' resumes"):
+    with pytest.raises(
+        TrainError, match=f"stay in {store}/drill, and calling pretrain again with name='drill' resumes"
+    ):
         pretrain(folder, tokenizer_dir, tmp_path / "model", first, name="drill", storage_path=store)
     assert latest_checkpoint(store, "drill") == f"{store}/drill/checkpoint_000016"
     keys = _keys(bucket, "runs/drill/checkpoint_000016/")
@@ -181,7 +225,8 @@ def test_killed_workers_and_a_restarted_driver_resume_from_s3_checkpoints_with_t
     monkeypatch.setenv(FAULTS_ENV, Faults(trace_dir=str(trace), kill_worker_at_step=35).to_env())
     second = _cfg(max_failures=1)  # async checkpoints
     res, driver_growth = peak_rss_growth(
-        lambda: pretrain(folder, tokenizer_dir, tmp_path / "model", second, name="drill", storage_path=store))
+        lambda: pretrain(folder, tokenizer_dir, tmp_path / "model", second, name="drill", storage_path=store)
+    )
     assert sorted(p.name for p in trace.glob("killed-at-*")) == ["killed-at-19", "killed-at-35"]  # both died
     assert res["checkpoint_path"] == f"{store}/drill/checkpoint_000040"
     assert "runs/drill/checkpoint_000040/hf/model.safetensors" in _keys(bucket, "runs/drill/checkpoint_000040/")
@@ -203,8 +248,10 @@ def test_killed_workers_and_a_restarted_driver_resume_from_s3_checkpoints_with_t
     # holds, a quarter of the token set (loading the blocks on the driver, as before, added 1.9 GB)
     token_bytes = manifest["num_tokens"] * 4
     workers = [json.loads((trace / f"memory-rank{r}.json").read_text()) for r in (0, 1)]
-    print(f"token set {token_bytes / 2**20:.0f} MiB; driver peak +{driver_growth / 2**20:.0f} MiB; worker peaks "
-          f"+{[round((w['peak_rss'] - w['rss_at_start']) / 2**20) for w in workers]} MiB over their loops")
+    print(
+        f"token set {token_bytes / 2**20:.0f} MiB; driver peak +{driver_growth / 2**20:.0f} MiB; worker peaks "
+        f"+{[round((w['peak_rss'] - w['rss_at_start']) / 2**20) for w in workers]} MiB over their loops"
+    )
     assert driver_growth < OBJECT_STORE_BYTES <= token_bytes / 4
     for w in workers:
         assert 0 < w["peak_rss"] - w["rss_at_start"] < OBJECT_STORE_BYTES, w
@@ -233,8 +280,14 @@ def test_bad_inputs_fail_before_training_with_the_fix(shards, tokenizer_dir, tmp
     with pytest.raises(TrainError, match="exceed model.max_positions=16"):
         plan(folder, _cfg(model=ModelConfig(**{**TINY.__dict__, "max_positions": 16})))
     with pytest.raises(TrainError, match="resume_from=.*nope: no raypai checkpoint there"):
-        pretrain(folder, None, tmp_path / "o", _cfg(resume_from=str(tmp_path / "nope")), name="x",
-                 storage_path=tmp_path / "s")
+        pretrain(
+            folder,
+            None,
+            tmp_path / "o",
+            _cfg(resume_from=str(tmp_path / "nope")),
+            name="x",
+            storage_path=tmp_path / "s",
+        )
     with pytest.raises(ConfigError):
         plan(folder, _cfg(steps=0))
     assert plan(folder, _cfg(), tokenizer_dir=tokenizer_dir)[1]["vocab_size"] == 64

@@ -15,16 +15,30 @@ def fake_tokenize(ctx: StepContext, blocks: int = 256) -> dict:
     tok = make_tokenizer(ctx.output_dir("tokenizer"))
     shards_dir = ctx.output_dir("shards")
     manifest = make_shards(shards_dir, blocks=blocks)
-    return {"tokenizer": ctx.save(tok, kind="tokenizer", name="tok"),
-            "shards": ctx.save(shards_dir, kind="token_shards", name="shards", metadata=manifest)}
+    return {
+        "tokenizer": ctx.save(tok, kind="tokenizer", name="tok"),
+        "shards": ctx.save(shards_dir, kind="token_shards", name="shards", metadata=manifest),
+    }
 
 
 @pipeline(name="pretrain-test")
 def tiny(steps: int = 30):
     data = fake_tokenize()
-    return pretrain(data["shards"], data["tokenizer"], steps=steps, layers=2, hidden=64, heads=4, kv_heads=2,
-                    intermediate=128, lr=5e-3, checkpoint_every=15, eval_every=15, register_as="tiny-base",
-                    options={"log_every": 5, "model": {"max_positions": 64}})
+    return pretrain(
+        data["shards"],
+        data["tokenizer"],
+        steps=steps,
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        intermediate=128,
+        lr=5e-3,
+        checkpoint_every=15,
+        eval_every=15,
+        register_as="tiny-base",
+        options={"log_every": 5, "model": {"max_positions": 64}},
+    )
 
 
 def test_pretrain_step_saves_a_model_artifact_registered_with_lineage(raypai_home):

@@ -77,8 +77,12 @@ def test_auto_strategy_picks_largest_micro_batch_then_lowest_stage():
     tighter = replace_budget(cfg, estimate(n, cfg, seq, 2, 2).total_gb * 1.001)
     chosen, est = choose(n, tighter, seq)
     # micro-batch 4 fits nowhere, 2 fits ZeRO-2 only if 0 and 1 don't: check the choice is the first that fits
-    first = next((s, mb) for mb in (8, 4, 2, 1) for s in (0, 1, 2) if estimate(n, cfg, seq, s, mb).total_gb
-                 <= tighter.memory_budget_gb)
+    first = next(
+        (s, mb)
+        for mb in (8, 4, 2, 1)
+        for s in (0, 1, 2)
+        if estimate(n, cfg, seq, s, mb).total_gb <= tighter.memory_budget_gb
+    )
     assert (chosen.zero_stage, chosen.micro_batch) == first and chosen.micro_batch <= 2
     assert chosen.micro_batch * chosen.grad_accum == 8  # the global batch is kept
     assert est.total_gb <= tighter.memory_budget_gb
@@ -111,18 +115,32 @@ def test_block_order_is_a_pure_function_of_seed_step_rank():
     assert order.indices(0, 0, 1, 2, 2, 1).tolist() == p0[2:4].tolist()
     assert order.indices(1, 0, 0, 2, 2, 1).tolist() == [p0[4], p1[0]]
     assert BlockOrder(5, seed=7).indices(1, 0, 0, 2, 2, 1).tolist() == [p0[4], p1[0]]  # no history needed
-    first_epoch = np.concatenate([BlockOrder(40, 1).indices(s, m, r, 2, 4, 5) for s in range(1) for m in range(5)
-                                  for r in range(2)])
+    first_epoch = np.concatenate(
+        [BlockOrder(40, 1).indices(s, m, r, 2, 4, 5) for s in range(1) for m in range(5) for r in range(2)]
+    )
     assert sorted(first_epoch.tolist()) == list(range(40))  # one epoch = every block exactly once
 
 
 def test_config_errors_list_every_problem():
     with pytest.raises(ConfigError) as err:
-        PretrainConfig(steps=0, schedule="weird", zero_stage=5, lr=2.0, straggler_ratio=0.5,
-                       model=ModelConfig(hidden=30, heads=4, kv_heads=3)).validate()
+        PretrainConfig(
+            steps=0,
+            schedule="weird",
+            zero_stage=5,
+            lr=2.0,
+            straggler_ratio=0.5,
+            model=ModelConfig(hidden=30, heads=4, kv_heads=3),
+        ).validate()
     text = "\n".join(err.value.problems)
-    for needle in ("steps must be ≥ 1", "schedule 'weird'", "zero_stage", "lr must be", "straggler_ratio",
-                   "divisible by model.heads", "divisible by model.kv_heads"):
+    for needle in (
+        "steps must be ≥ 1",
+        "schedule 'weird'",
+        "zero_stage",
+        "lr must be",
+        "straggler_ratio",
+        "divisible by model.heads",
+        "divisible by model.kv_heads",
+    ):
         assert needle in text
     with pytest.raises(ConfigError, match="unknown option 'stpes' \\(did you mean 'steps'\\?\\)"):
         PretrainConfig.from_dict({"stpes": 3})
@@ -225,18 +243,25 @@ def test_shard_reading_errors(tmp_path):
     with pytest.raises(TrainError) as err:
         TokenShards(tmp_path / "ok", "train")
     assert str(err.value).splitlines()[1:] == [
-        "  - block_size must be int (got str '32 tokens')", "  - vocab_size is required (int)",
-        "  - files[0]: split 'test' is unknown; use one of train, eval", "re-run the tokenize step to rewrite the shards"]
+        "  - block_size must be int (got str '32 tokens')",
+        "  - vocab_size is required (int)",
+        "  - files[0]: split 'test' is unknown; use one of train, eval",
+        "re-run the tokenize step to rewrite the shards",
+    ]
     empty = tmp_path / "empty"
     make_shards(empty, blocks=16)
-    pq.write_table(pa.table({"block_id": pa.array([], pa.int64()), "input_ids": pa.array([], pa.list_(pa.int32()))}),
-                   empty / "shard-00000.parquet")
+    pq.write_table(
+        pa.table({"block_id": pa.array([], pa.int64()), "input_ids": pa.array([], pa.list_(pa.int32()))}),
+        empty / "shard-00000.parquet",
+    )
     with pytest.raises(TrainError, match="no train blocks"):
         read_manifest(empty)
     ragged = tmp_path / "ragged"
     make_shards(ragged, blocks=16)
-    pq.write_table(pa.table({"block_id": [2, 3], "input_ids": pa.array([[1] * 32, [1] * 31], pa.list_(pa.int32()))}),
-                   ragged / "shard-00000.parquet")
+    pq.write_table(
+        pa.table({"block_id": [2, 3], "input_ids": pa.array([[1] * 32, [1] * 31], pa.list_(pa.int32()))}),
+        ragged / "shard-00000.parquet",
+    )
     read_manifest(ragged)  # footers look fine; the blocks are checked where they are decoded
     with pytest.raises(TrainError, match="shard-00000.parquet: input_ids rows are not all 32 tokens long"):
         TokenShards(ragged, "train").take(np.array([0]))
@@ -271,8 +296,15 @@ def test_auto_strategy_sizes_an_init_from_model_by_its_own_config(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     make_shards(tmp_path / "shards", blocks=16)
-    hf = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64)
+    hf = LlamaConfig(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(hf)
     model.save_pretrained(tmp_path / "model")
     n = sum(p.numel() for p in model.parameters())
@@ -284,9 +316,12 @@ def test_auto_strategy_sizes_an_init_from_model_by_its_own_config(tmp_path):
     chosen, info = plan(tmp_path / "shards", budget)
     expected, _ = choose(n, budget, 32, folder)
     assert (chosen.zero_stage, chosen.micro_batch) == (expected.zero_stage, expected.micro_batch) != (0, 8)
-    assert info["memory"]["activations_gb"] == pytest.approx(activation_bytes(
-        layers=4, hidden=256, heads=8, vocab=64, seq_len=32, micro_batch=chosen.micro_batch,
-        mixed_precision=False) / GB)
+    assert info["memory"]["activations_gb"] == pytest.approx(
+        activation_bytes(
+            layers=4, hidden=256, heads=8, vocab=64, seq_len=32, micro_batch=chosen.micro_batch, mixed_precision=False
+        )
+        / GB
+    )
 
 
 def test_snapshot_buffers_copy_values_into_reused_memory():
@@ -294,8 +329,11 @@ def test_snapshot_buffers_copy_values_into_reused_memory():
 
     from raypai.train.checkpoint import SnapshotBuffers
 
-    state = {"module": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)},
-             "optimizer": {"state": [(torch.zeros(4), 7)], "lr": 0.1}, "step": 3}
+    state = {
+        "module": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)},
+        "optimizer": {"state": [(torch.zeros(4), 7)], "lr": 0.1},
+        "step": 3,
+    }
     bufs = SnapshotBuffers()
     first = bufs.copy(state, ("model.pt",))
     assert torch.equal(first["module"]["w"], state["module"]["w"]) and first["optimizer"]["state"][0][1] == 7
@@ -313,7 +351,9 @@ def test_snapshot_buffers_copy_values_into_reused_memory():
 
     state["module"]["w"] = torch.zeros(5, dtype=torch.float64)  # a changed shape gets a new buffer
     third = bufs.copy(state, ("model.pt",))
-    assert third["module"]["w"].dtype == torch.float64 and torch.equal(third["module"]["w"], torch.zeros(5, dtype=torch.float64))
+    assert third["module"]["w"].dtype == torch.float64 and torch.equal(
+        third["module"]["w"], torch.zeros(5, dtype=torch.float64)
+    )
     assert bufs.copy({"w": torch.ones(2)}, ("other.pt",))["w"].data_ptr() != third["module"]["w"].data_ptr()
 
 
@@ -322,14 +362,27 @@ def test_token_shards_manifest_reads_what_the_tokenizer_writes(tmp_path):
     come back unchanged; synthetic shards use the same type."""
     from raypai.token_shards import ShardFile, TokenShardsManifest
 
-    written = {"kind": "token_shards", "block_size": 128, "num_blocks": 90, "num_eval_blocks": 5, "num_tokens": 11520,
-               "documents": 40, "vocab_size": 512, "eos_id": 2, "tokenizer_digest": "ab12",
-               "files": [{"file": "shard-00000.parquet", "split": "train", "blocks": 90},
-                         {"file": "eval-00000.parquet", "split": "eval", "blocks": 5}],
-               "unigram_entropy_nats": 5.1, "content_sha256": "cd34"}
+    written = {
+        "kind": "token_shards",
+        "block_size": 128,
+        "num_blocks": 90,
+        "num_eval_blocks": 5,
+        "num_tokens": 11520,
+        "documents": 40,
+        "vocab_size": 512,
+        "eos_id": 2,
+        "tokenizer_digest": "ab12",
+        "files": [
+            {"file": "shard-00000.parquet", "split": "train", "blocks": 90},
+            {"file": "eval-00000.parquet", "split": "eval", "blocks": 5},
+        ],
+        "unigram_entropy_nats": 5.1,
+        "content_sha256": "cd34",
+    }
     manifest = TokenShardsManifest.from_dict(written)
-    assert manifest.files_of("eval") == ["eval-00000.parquet"] and manifest.files[0] == ShardFile("shard-00000.parquet",
-                                                                                                   "train", 90)
+    assert manifest.files_of("eval") == ["eval-00000.parquet"] and manifest.files[0] == ShardFile(
+        "shard-00000.parquet", "train", 90
+    )
     assert manifest.to_dict() == written
     with pytest.raises(ConfigError, match="kind is 'dataset', not 'token_shards'"):
         TokenShardsManifest.from_dict({**written, "kind": "dataset"})
@@ -366,8 +419,16 @@ def test_the_plan_sizes_the_model_on_the_meta_device_without_weights(tmp_path):
     real, meta = build_model(cfg, 64), build_model(cfg, 64, weights=False)
     assert {p.device.type for p in meta.parameters()} == {"meta"} and param_count(meta) == param_count(real)
     src = tmp_path / "model"
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(src)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(src)
     folder = build_model(ModelConfig(init_from=str(src)), 64, weights=False)
     assert {p.device.type for p in folder.parameters()} == {"meta"} and folder.config.hidden_size == 32
     (src / "model.safetensors").unlink()
@@ -382,14 +443,21 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from raypai.train._deepspeed import import_deepspeed\n"
-            "ds = import_deepspeed()\n"
-            "assert ds.initialize and 'mlflow' not in sys.modules, sorted(m for m in sys.modules if 'mlflow' in m)\n"
-            "import mlflow\n"
-            "assert mlflow.__version__ and sys.modules['mlflow'] is mlflow\n"
-            "from deepspeed.autotuning.autotuner import has_mlflow\n"
-            "print('ok', has_mlflow)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    code = (
+        "import sys\n"
+        "from raypai.train._deepspeed import import_deepspeed\n"
+        "ds = import_deepspeed()\n"
+        "assert ds.initialize and 'mlflow' not in sys.modules, sorted(m for m in sys.modules if 'mlflow' in m)\n"
+        "import mlflow\n"
+        "assert mlflow.__version__ and sys.modules['mlflow'] is mlflow\n"
+        "from deepspeed.autotuning.autotuner import has_mlflow\n"
+        "print('ok', has_mlflow)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok False"), out.stdout + out.stderr

@@ -1,10 +1,10 @@
 """The `raypai` command line.
 
-    raypai run pipelines/toy.py --param n=20
-    raypai runs ; raypai show RUN_ID ; raypai resume RUN_ID
-    raypai lineage ARTIFACT_ID [--down] [--json]
-    raypai doctor ; raypai ui
-    raypai ray start ; raypai ray status ; raypai ray stop     # raypai's own local Ray head, on free ports
+raypai run pipelines/toy.py --param n=20
+raypai runs ; raypai show RUN_ID ; raypai resume RUN_ID
+raypai lineage ARTIFACT_ID [--down] [--json]
+raypai doctor ; raypai ui
+raypai ray start ; raypai ray status ; raypai ray stop     # raypai's own local Ray head, on free ports
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ from raypai.cli.render import Progress, console, lineage_tree, runs_table, steps
 from raypai.config import parse_assignments
 from raypai.errors import NotFoundError, PipelineError, RaypaiError
 
-app = typer.Typer(help="raypai: raw text → trained, aligned, deployed language model, with lineage.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="raypai: raw text → trained, aligned, deployed language model, with lineage.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 db_app = typer.Typer(help="Metadata database schema (Alembic).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 ray_app = typer.Typer(help="raypai's local Ray head (free ports, recorded under RAYPAI_HOME).", no_args_is_help=True)
 app.add_typer(ray_app, name="ray")
 
 
-_VERBOSE = ("also print every worker log line (Ray Data, Ray Train, alignment) instead of one progress line per "
-            "running step; they always go to the run's log file [RAYPAI_VERBOSE=1]")
+_VERBOSE = (
+    "also print every worker log line (Ray Data, Ray Train, alignment) instead of one progress line per "
+    "running step; they always go to the run's log file [RAYPAI_VERBOSE=1]"
+)
 
 
 def _settings():
@@ -57,7 +63,9 @@ def finish_run(result) -> None:
     """Print a run's summary table and any failure; exit 1 (with the resume command) if it failed."""
     console.print(summary_table(result))
     if result.mlflow_run_id:
-        console.print(f"MLflow parent run: [bold]{result.mlflow_run_id}[/]  ·  details: raypai show {result.run_id[:12]}")
+        console.print(
+            f"MLflow parent run: [bold]{result.mlflow_run_id}[/]  ·  details: raypai show {result.run_id[:12]}"
+        )
     for node, r in result.steps.items():
         if r.state == "failed":
             console.print(f"[red]step {node} failed:[/] {r.error}")
@@ -69,9 +77,11 @@ def finish_run(result) -> None:
 
 
 @app.command()
-def run(target: str = typer.Argument(..., help="FILE.py[:PIPELINE] or package.module[:PIPELINE]"),
-        param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)"),
-        verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE)):
+def run(
+    target: str = typer.Argument(..., help="FILE.py[:PIPELINE] or package.module[:PIPELINE]"),
+    param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE),
+):
     """Run a pipeline; unchanged steps are cache hits."""
     from raypai.loader import load_pipeline
     from raypai.runner import Runner
@@ -89,8 +99,10 @@ def _target_file(target: str) -> str:
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or interrupted run"),
-           verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE)):
+def resume(
+    run_id: str = typer.Argument(..., help="id (or prefix) of a failed or interrupted run"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=_VERBOSE),
+):
     """Re-run a run: finished steps are reused, failed/unfinished ones run again."""
     from raypai.loader import load_pipeline
     from raypai.runner import Runner
@@ -103,8 +115,9 @@ def resume(run_id: str = typer.Argument(..., help="id (or prefix) of a failed or
     pipe = load_pipeline(f"{source}:{origin['pipeline']}")
     dag = pipe.build(**origin["params"])
     console.print(f"resuming run {origin['id'][:12]} ({origin['state']}) of {origin['pipeline']}")
-    result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(dag, origin_run_id=origin["id"],
-                                                                                source_file=source)
+    result = Runner(_settings(), progress=Progress(verbose=verbose or None)).run(
+        dag, origin_run_id=origin["id"], source_file=source
+    )
     finish_run(result)
 
 
@@ -115,8 +128,11 @@ def runs(limit: int = 20, pipeline: Optional[str] = None):
 
 
 @app.command()
-def show(run_id: str, openlineage: bool = typer.Option(False, help="print the run as OpenLineage events (JSON)"),
-         key: bool = typer.Option(False, "--key", help="also print what each step's cache key is made of")):
+def show(
+    run_id: str,
+    openlineage: bool = typer.Option(False, help="print the run as OpenLineage events (JSON)"),
+    key: bool = typer.Option(False, "--key", help="also print what each step's cache key is made of"),
+):
     """Show one run: its steps, states, why each was or was not a cache hit, errors, outputs."""
     from rich.markup import escape
 
@@ -134,11 +150,15 @@ def show(run_id: str, openlineage: bool = typer.Option(False, help="print the ru
     console.print(steps_table(steps))
     for s in steps:
         if s["cache_reason"]:
-            console.print(f"  {s['node']}: {escape(s['cache_reason'])}", soft_wrap=True)  # one line per step, never wrapped
+            console.print(
+                f"  {s['node']}: {escape(s['cache_reason'])}", soft_wrap=True
+            )  # one line per step, never wrapped
     for s in steps:
         if key and s["cache_components"]:
-            console.print(f"[bold]{s['node']}[/] cache key {s['cache_key']}:\n"
-                          f"[dim]{escape(json.dumps(s['cache_components'], indent=1))}[/]")
+            console.print(
+                f"[bold]{s['node']}[/] cache key {s['cache_key']}:\n"
+                f"[dim]{escape(json.dumps(s['cache_components'], indent=1))}[/]"
+            )
         for name, a in store.outputs_of(s["id"]).items():
             console.print(f"  {s['node']} → {name}: {a.kind} {a.name} [dim]{a.id}[/]")
         if s["traceback"]:
@@ -159,10 +179,12 @@ def artifacts(kind: Optional[str] = None, limit: int = 30):
 
 
 @app.command()
-def lineage(ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, or a run id (its outputs)"),
-            down: bool = typer.Option(False, "--down", help="show what was built from it instead"),
-            as_json: bool = typer.Option(False, "--json", help="print the graph as JSON"),
-            deployment: Optional[str] = typer.Option(None, "--deployment", help="start from a deployment's model")):
+def lineage(
+    ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, or a run id (its outputs)"),
+    down: bool = typer.Option(False, "--down", help="show what was built from it instead"),
+    as_json: bool = typer.Option(False, "--json", help="print the graph as JSON"),
+    deployment: Optional[str] = typer.Option(None, "--deployment", help="start from a deployment's model"),
+):
     """The chain from an artifact back to the raw sources (or forward with --down)."""
     from raypai import lineage as lin
 
@@ -185,8 +207,12 @@ def lineage(ref: Optional[str] = typer.Argument(None, help="artifact id/prefix, 
         ids = [store.get_artifact(ref).id]
     except NotFoundError:
         r = store.get_run(ref)
-        ids = [a.id for s in store.step_runs(r["id"]) for a in store.outputs_of(s["id"]).values()
-               if not store.consumers_of(a.id) or down]
+        ids = [
+            a.id
+            for s in store.step_runs(r["id"])
+            for a in store.outputs_of(s["id"]).values()
+            if not store.consumers_of(a.id) or down
+        ]
     graphs = [(lin.downstream if down else lin.upstream)(store, i) for i in ids]
     if as_json:
         print(json.dumps(graphs[0] if len(graphs) == 1 else graphs, indent=1, default=str))
@@ -208,8 +234,20 @@ def ui(port: Optional[int] = typer.Option(None, help="MLflow UI port [5000, or a
     console.print(f"MLflow UI:      http://{host}:{port}   (tracking store {s.mlflow_tracking_uri})")
     if head is not None and head.dashboard_url:
         console.print(f"Ray dashboard:  {head.dashboard_url}  (raypai's Ray head)")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-           "--backend-store-uri", s.mlflow_tracking_uri, "--default-artifact-root", str(s.home / "mlartifacts")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        s.mlflow_tracking_uri,
+        "--default-artifact-root",
+        str(s.home / "mlartifacts"),
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
     record_endpoint(s, "mlflow_ui", f"http://{host}:{port}", proc.pid)
     try:
@@ -221,8 +259,10 @@ def ui(port: Optional[int] = typer.Option(None, help="MLflow UI port [5000, or a
 
 
 @ray_app.command("start")
-def ray_start(num_cpus: Optional[int] = typer.Option(None, help="logical CPUs [RAYPAI_RAY_NUM_CPUS or max(8, cores)]"),
-              dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="[RAYPAI_DASHBOARD]")):
+def ray_start(
+    num_cpus: Optional[int] = typer.Option(None, help="logical CPUs [RAYPAI_RAY_NUM_CPUS or max(8, cores)]"),
+    dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="[RAYPAI_DASHBOARD]"),
+):
     """Start raypai's persistent local Ray head on free ports (or reuse the one running)."""
     from raypai.cli.render import head_lines
     from raypai.runtime import load_state, start_head
@@ -328,7 +368,8 @@ def _mount() -> None:
         except Exception as exc:
             raise CommandImportError(
                 f"`raypai {name}` cannot be loaded: importing {module} failed ({type(exc).__name__}: {exc}). "
-                f"Fix {module} (traceback above) or reinstall raypai (`make install`)") from exc
+                f"Fix {module} (traceback above) or reinstall raypai (`make install`)"
+            ) from exc
         if kind == "typer":
             app.add_typer(obj, name=name)
         else:

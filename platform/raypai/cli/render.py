@@ -15,8 +15,14 @@ from rich.tree import Tree
 from raypai.progress import Meter
 
 console = Console(stderr=False)
-_STYLE = {"succeeded": "green", "cached": "cyan", "failed": "red", "skipped": "yellow", "running": "blue",
-          "pending": "white"}
+_STYLE = {
+    "succeeded": "green",
+    "cached": "cyan",
+    "failed": "red",
+    "skipped": "yellow",
+    "running": "blue",
+    "pending": "white",
+}
 
 
 class Progress:
@@ -40,13 +46,17 @@ class Progress:
         el = f"[dim]{time.time() - self.t0:7.1f}s[/]"
         kind = event["event"]
         if kind == "run_started":
-            self.console.print(f"{el} [bold]run {event['run_id'][:8]}[/] of [bold]{event['pipeline']}[/]: "
-                               f"{' → '.join(event['steps'])}")
+            self.console.print(
+                f"{el} [bold]run {event['run_id'][:8]}[/] of [bold]{event['pipeline']}[/]: {' → '.join(event['steps'])}"
+            )
             if event.get("ray"):
                 self.console.print(f"{' ' * 9} [dim]ray:[/]  {escape(event['ray'])}", soft_wrap=True)
             if event.get("log"):
-                self.console.print(f"{' ' * 9} [dim]logs:[/] {escape(event['log'])}"
-                                   + ("" if self.verbose else "  (--verbose prints them here too)"), soft_wrap=True)
+                self.console.print(
+                    f"{' ' * 9} [dim]logs:[/] {escape(event['log'])}"
+                    + ("" if self.verbose else "  (--verbose prints them here too)"),
+                    soft_wrap=True,
+                )
         elif kind == "step_started":
             self.started[event["node"]] = time.time()
             self.meters[event["node"]] = Meter()
@@ -56,16 +66,21 @@ class Progress:
             u = event["update"]
             meter = self.meters.setdefault(u.node, Meter())
             meter.add(u)
-            if self.live is None and u.node in self.started and (
-                    u.node not in self.printed or time.time() - self.printed[u.node] >= self.every_s):
+            if (
+                self.live is None
+                and u.node in self.started
+                and (u.node not in self.printed or time.time() - self.printed[u.node] >= self.every_s)
+            ):
                 self.printed[u.node] = time.time()
                 self.console.print(f"{el}     [blue]⋯[/] {u.node}  {escape(meter.summary())}", soft_wrap=True)
         elif kind == "worker_log":
             if self.verbose:
                 self.console.print(f"[dim]{escape(event['line'])}[/]", soft_wrap=True, highlight=False)
         elif kind == "step_retry":
-            self.console.print(f"{el}   [yellow]↻[/] {event['node']} retry {event['attempt']} in "
-                               f"{event['delay_s']:.1f}s: {event['error']}")
+            self.console.print(
+                f"{el}   [yellow]↻[/] {event['node']} retry {event['attempt']} in "
+                f"{event['delay_s']:.1f}s: {event['error']}"
+            )
         elif kind == "step_finished":
             r = event["result"]
             self.started.pop(r.node, None)
@@ -74,8 +89,11 @@ class Progress:
             style = _STYLE.get(r.state, "white")
             note = " [dim](cache hit)[/]" if r.state == "cached" else ""
             err = f"\n{' ' * 12}[red]{escape(r.error)}[/]" if r.error and r.state == "failed" else ""
-            self.console.print(f"{el}   [{style}]{'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} "
-                               f"{r.state}[/] {r.seconds:.1f}s{note}{done}{err}", soft_wrap=True)
+            self.console.print(
+                f"{el}   [{style}]{'✓' if r.state in ('succeeded', 'cached') else '✗'} {r.node} "
+                f"{r.state}[/] {r.seconds:.1f}s{note}{done}{err}",
+                soft_wrap=True,
+            )
         elif kind == "run_finished" and self.live is not None:
             self.live.stop()
             self.live = None
@@ -83,14 +101,15 @@ class Progress:
     def _live(self) -> None:
         """On a terminal, the running steps' lines stay under the printed ones and redraw in place."""
         if self.live is None and self.console.is_terminal:
-            self.live = Live(get_renderable=self._running, console=self.console, refresh_per_second=4,
-                             transient=True)
+            self.live = Live(get_renderable=self._running, console=self.console, refresh_per_second=4, transient=True)
             self.live.start()
 
     def _running(self):
-        lines = [f"{' ' * 11}[blue]⋯[/] {node} [dim]{time.time() - t:.0f}s[/]  "
-                 f"{escape(self.meters[node].summary()) if node in self.meters else ''}"
-                 for node, t in self.started.items()]
+        lines = [
+            f"{' ' * 11}[blue]⋯[/] {node} [dim]{time.time() - t:.0f}s[/]  "
+            f"{escape(self.meters[node].summary()) if node in self.meters else ''}"
+            for node, t in self.started.items()
+        ]
         return Text.from_markup("\n".join(lines)) if lines else Text("")
 
 
@@ -100,8 +119,13 @@ def summary_table(result) -> Table:
         t.add_column(col)
     for node, r in result.steps.items():
         metric = ", ".join(f"{k}={_fmt(v)}" for k, v in list(r.metrics.items())[:2])
-        t.add_row(node, f"[{_STYLE.get(r.state, 'white')}]{r.state}[/]", f"{r.seconds:.1f}s",
-                  "yes" if r.state == "cached" else "", metric)
+        t.add_row(
+            node,
+            f"[{_STYLE.get(r.state, 'white')}]{r.state}[/]",
+            f"{r.seconds:.1f}s",
+            "yes" if r.state == "cached" else "",
+            metric,
+        )
     return t
 
 
@@ -111,9 +135,14 @@ def runs_table(runs: list[dict]) -> Table:
         t.add_column(col)
     for r in runs:
         took = (r["finished_at"] - r["started_at"]).total_seconds() if r["finished_at"] else None
-        t.add_row(r["id"][:12], r["pipeline"], f"[{_STYLE.get(r['state'], 'white')}]{r['state']}[/]",
-                  r["started_at"].strftime("%Y-%m-%d %H:%M:%S"), f"{took:.1f}s" if took is not None else "-",
-                  (r["origin_run_id"] or "")[:12])
+        t.add_row(
+            r["id"][:12],
+            r["pipeline"],
+            f"[{_STYLE.get(r['state'], 'white')}]{r['state']}[/]",
+            r["started_at"].strftime("%Y-%m-%d %H:%M:%S"),
+            f"{took:.1f}s" if took is not None else "-",
+            (r["origin_run_id"] or "")[:12],
+        )
     return t
 
 
@@ -123,9 +152,16 @@ def steps_table(steps: list[dict]) -> Table:
         t.add_column(col)
     for s in steps:
         took = (s["finished_at"] - s["started_at"]).total_seconds() if s["finished_at"] and s["started_at"] else None
-        t.add_row(s["node"], f"[{_STYLE.get(s['state'], 'white')}]{s['state']}[/]", str((s["attempt"] or 0) + 1),
-                  "hit" if s["cache_hit"] else "", f"{took:.1f}s" if took is not None else "-",
-                  (s.get("ray_node_id") or "")[:8], (s["mlflow_run_id"] or "")[:12], (s["error"] or "")[:80])
+        t.add_row(
+            s["node"],
+            f"[{_STYLE.get(s['state'], 'white')}]{s['state']}[/]",
+            str((s["attempt"] or 0) + 1),
+            "hit" if s["cache_hit"] else "",
+            f"{took:.1f}s" if took is not None else "-",
+            (s.get("ray_node_id") or "")[:8],
+            (s["mlflow_run_id"] or "")[:12],
+            (s["error"] or "")[:80],
+        )
     return t
 
 
@@ -136,15 +172,18 @@ def lineage_tree(tree: dict, *, down: bool = False) -> Tree:
 
 
 def _art_label(a: dict) -> str:
-    return (f"[bold]{a['kind']}[/] [green]{a['name']}[/] [dim]{a['id'][:10]} sha256:{a['digest'][:12]} "
-            f"{_size(a['size_bytes'])}[/]\n[dim]{a['uri']}[/]")
+    return (
+        f"[bold]{a['kind']}[/] [green]{a['name']}[/] [dim]{a['id'][:10]} sha256:{a['digest'][:12]} "
+        f"{_size(a['size_bytes'])}[/]\n[dim]{a['uri']}[/]"
+    )
 
 
 def _step_label(s: dict) -> str:
     ml = f" mlflow:{s['mlflow_run_id'][:10]}" if s.get("mlflow_run_id") else ""
     metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in list((s.get("metrics") or {}).items())[:3])
-    return (f"[blue]⟵ step {s['pipeline']}.{s['node']}[/] [dim]run {s['run_id'][:8]}{ml}[/]"
-            + (f" [dim]{metrics}[/]" if metrics else ""))
+    return f"[blue]⟵ step {s['pipeline']}.{s['node']}[/] [dim]run {s['run_id'][:8]}{ml}[/]" + (
+        f" [dim]{metrics}[/]" if metrics else ""
+    )
 
 
 def _up(branch: Tree, node: dict) -> None:
@@ -184,8 +223,9 @@ def deployment_view(graph: dict) -> None:
     """Deployment → model version(s) → the lineage tree of each, ending at the raw sources."""
     console.print(f"[bold]deployment {graph['deployment']}[/] ({graph['state']})")
     for m in graph["models"]:
-        root = Tree(f"[bold magenta]{m['role']}[/] model [green]{m['model']} v{m['version']}[/] "
-                    f"[dim]{m['mlflow_source']}[/]")
+        root = Tree(
+            f"[bold magenta]{m['role']}[/] model [green]{m['model']} v{m['version']}[/] [dim]{m['mlflow_source']}[/]"
+        )
         if "lineage" in m:
             child = root.add(_art_label(m["lineage"]["artifact"]))
             _up(child, m["lineage"])
@@ -199,8 +239,10 @@ def deployment_view(graph: dict) -> None:
 
 def head_lines(head) -> list[str]:
     """Where raypai's Ray head listens (a `raypai.runtime.HeadState`), one line per service."""
-    return [f"  Ray GCS         {head.address}",
-            f"  Ray dashboard   {head.dashboard_url or 'off (RAYPAI_DASHBOARD=0)'}",
-            f"  Ray client      ray://127.0.0.1:{head.client_port}",
-            f"  Serve HTTP      http://127.0.0.1:{head.serve_port}/v1  (the OpenAI-compatible endpoint, once deployed)",
-            f"  session         {head.session_dir}"]
+    return [
+        f"  Ray GCS         {head.address}",
+        f"  Ray dashboard   {head.dashboard_url or 'off (RAYPAI_DASHBOARD=0)'}",
+        f"  Ray client      ray://127.0.0.1:{head.client_port}",
+        f"  Serve HTTP      http://127.0.0.1:{head.serve_port}/v1  (the OpenAI-compatible endpoint, once deployed)",
+        f"  session         {head.session_dir}",
+    ]

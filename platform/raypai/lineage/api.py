@@ -1,8 +1,8 @@
 """Lineage over HTTP, mounted by the deploy API server.
 
-    GET /api/v1/lineage/artifacts/{artifact_id}?down=false
-    GET /api/v1/lineage/deployments/{name}
-    GET /api/v1/runs/{run_id}/openlineage
+GET /api/v1/lineage/artifacts/{artifact_id}?down=false
+GET /api/v1/lineage/deployments/{name}
+GET /api/v1/runs/{run_id}/openlineage
 """
 
 from __future__ import annotations

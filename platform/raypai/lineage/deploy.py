@@ -1,7 +1,7 @@
 """Lineage from a deployment: deployment → registered model version(s) → model artifact → … → raw files.
 
-    raypai lineage --deployment tinychat
-    GET /api/v1/lineage/deployments/tinychat
+raypai lineage --deployment tinychat
+GET /api/v1/lineage/deployments/tinychat
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ def deployment_lineage(store: MetadataStore, settings: Settings, name: str) -> d
     model = rec.spec.model
     for version, role in rec.spec.served():
         _, tags = tracker.resolve_model(model, version)
-        entry = {"model": model, "version": version, "role": role, "tags": tags,
-                 "mlflow_source": tracker.model_source(model, version)}
+        entry = {
+            "model": model,
+            "version": version,
+            "role": role,
+            "tags": tags,
+            "mlflow_source": tracker.model_source(model, version),
+        }
         art_id = tags.get(ARTIFACT_TAG)
         if art_id:
             tree = upstream(store, art_id)

@@ -1,7 +1,7 @@
 """MetadataStore: runs, step runs, artifacts and their edges in SQLite or PostgreSQL.
 
-    store = MetadataStore("sqlite:///.raypai/raypai.db")     # migrates to the latest schema
-    store = MetadataStore("postgresql+psycopg://postgres@127.0.0.1:5432/test")
+store = MetadataStore("sqlite:///.raypai/raypai.db")     # migrates to the latest schema
+store = MetadataStore("postgresql+psycopg://postgres@127.0.0.1:5432/test")
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ class MetadataStore:
 
     # ---- pipelines and runs ------------------------------------------------------------------
 
-    def create_run(self, pipeline: str, params: dict, *, source_file: str | None = None,
-                   origin_run_id: str | None = None) -> str:
+    def create_run(
+        self, pipeline: str, params: dict, *, source_file: str | None = None, origin_run_id: str | None = None
+    ) -> str:
         run_id = uuid.uuid4().hex
         for _ in range(5):  # two drivers may create the same pipeline row at once
             try:
@@ -128,8 +129,11 @@ class MetadataStore:
                         s.flush()
                     elif source_file:
                         p.source_file = source_file
-                    s.add(m.PipelineRun(id=run_id, pipeline_id=p.id, state="running", params=params,
-                                        origin_run_id=origin_run_id))
+                    s.add(
+                        m.PipelineRun(
+                            id=run_id, pipeline_id=p.id, state="running", params=params, origin_run_id=origin_run_id
+                        )
+                    )
                 return run_id
             except IntegrityError:
                 continue
@@ -169,13 +173,32 @@ class MetadataStore:
 
     # ---- step runs -----------------------------------------------------------------------------
 
-    def create_step_run(self, run_id: str, node: str, step_name: str, params: dict, cache_key: str | None, *,
-                        cache_components: dict | None = None, cache_reason: str | None = None) -> str:
+    def create_step_run(
+        self,
+        run_id: str,
+        node: str,
+        step_name: str,
+        params: dict,
+        cache_key: str | None,
+        *,
+        cache_components: dict | None = None,
+        cache_reason: str | None = None,
+    ) -> str:
         sid = uuid.uuid4().hex
         with self.session() as s:
-            s.add(m.StepRun(id=sid, run_id=run_id, node=node, step_name=step_name, params=params,
-                            cache_key=cache_key, cache_components=cache_components, cache_reason=cache_reason,
-                            state="pending"))
+            s.add(
+                m.StepRun(
+                    id=sid,
+                    run_id=run_id,
+                    node=node,
+                    step_name=step_name,
+                    params=params,
+                    cache_key=cache_key,
+                    cache_components=cache_components,
+                    cache_reason=cache_reason,
+                    state="pending",
+                )
+            )
             s.flush()
             s.add(m.StepRunEvent(step_run_id=sid, state="pending"))
         return sid
@@ -219,8 +242,12 @@ class MetadataStore:
     def find_cached(self, cache_key: str) -> dict | None:
         """Latest succeeded step run with this key: {'step_run': ..., 'outputs': {name: Artifact}}."""
         with self.session() as s:
-            q = (select(m.StepRun).where(m.StepRun.cache_key == cache_key, m.StepRun.state == "succeeded")
-                 .order_by(m.StepRun.finished_at.desc()).limit(1))
+            q = (
+                select(m.StepRun)
+                .where(m.StepRun.cache_key == cache_key, m.StepRun.state == "succeeded")
+                .order_by(m.StepRun.finished_at.desc())
+                .limit(1)
+            )
             sr = s.scalar(q)
             if sr is None:
                 return None
@@ -232,11 +259,18 @@ class MetadataStore:
         explained against."""
         same = case((and_(m.Pipeline.name == pipeline, m.StepRun.node == node), 1), else_=0)
         with self.session() as s:
-            q = (select(m.StepRun, m.Pipeline.name)
-                 .join(m.PipelineRun, m.PipelineRun.id == m.StepRun.run_id).join(m.Pipeline)
-                 .where(m.StepRun.step_name == step_name, m.StepRun.state.in_(("succeeded", "cached")),
-                        m.StepRun.cache_components.is_not(None))
-                 .order_by(same.desc(), m.StepRun.finished_at.desc()).limit(1))
+            q = (
+                select(m.StepRun, m.Pipeline.name)
+                .join(m.PipelineRun, m.PipelineRun.id == m.StepRun.run_id)
+                .join(m.Pipeline)
+                .where(
+                    m.StepRun.step_name == step_name,
+                    m.StepRun.state.in_(("succeeded", "cached")),
+                    m.StepRun.cache_components.is_not(None),
+                )
+                .order_by(same.desc(), m.StepRun.finished_at.desc())
+                .limit(1)
+            )
             row = s.execute(q).first()
             return {**_step_dict(row[0]), "pipeline": row[1]} if row else None
 
@@ -244,9 +278,18 @@ class MetadataStore:
 
     def record_artifact(self, art: Artifact, producer_step_run_id: str | None = None) -> Artifact:
         with self.session() as s:
-            s.add(m.ArtifactRow(id=art.id, kind=art.kind, name=art.name, uri=art.uri, digest=art.digest,
-                                size_bytes=art.size_bytes, meta=art.metadata,
-                                producer_step_run_id=producer_step_run_id or art.producer_step_run_id))
+            s.add(
+                m.ArtifactRow(
+                    id=art.id,
+                    kind=art.kind,
+                    name=art.name,
+                    uri=art.uri,
+                    digest=art.digest,
+                    size_bytes=art.size_bytes,
+                    meta=art.metadata,
+                    producer_step_run_id=producer_step_run_id or art.producer_step_run_id,
+                )
+            )
         return Artifact(**{**art.to_dict(), "producer_step_run_id": producer_step_run_id or art.producer_step_run_id})
 
     def add_edge(self, step_run_id: str, artifact_id: str, name: str, *, direction: str) -> None:
@@ -260,13 +303,17 @@ class MetadataStore:
         with self.session() as s:
             row = s.get(m.ArtifactRow, ref)
             if row is None and len(ref) >= 6:
-                q = select(m.ArtifactRow).where((m.ArtifactRow.id.like(f"{ref}%")) | (m.ArtifactRow.digest.like(f"{ref}%")))
+                q = select(m.ArtifactRow).where(
+                    (m.ArtifactRow.id.like(f"{ref}%")) | (m.ArtifactRow.digest.like(f"{ref}%"))
+                )
                 row = s.scalar(q.order_by(m.ArtifactRow.created_at.desc()).limit(1))
             if row is None:
                 newest = s.scalars(select(m.ArtifactRow).order_by(m.ArtifactRow.created_at.desc()).limit(5)).all()
                 known = ", ".join(f"{a.id[:12]} ({a.kind} {a.name})" for a in newest) or "the store holds none yet"
-                raise NotFoundError(f"artifact {ref!r} not found by id, id prefix or digest prefix (newest: {known}); "
-                                    "list them with `raypai artifacts`")
+                raise NotFoundError(
+                    f"artifact {ref!r} not found by id, id prefix or digest prefix (newest: {known}); "
+                    "list them with `raypai artifacts`"
+                )
             return _artifact(row)
 
     def list_artifacts(self, kind: str | None = None, limit: int = 50) -> list[Artifact]:
@@ -303,11 +350,19 @@ class MetadataStore:
         with self.session() as s:
             for i, r in enumerate(rows):
                 known = {"op_name", "op_index", "rows_in", "rows_out", "dropped", "seconds"}
-                s.add(m.OpStat(step_run_id=step_run_id, artifact_id=artifact_id, op_index=r.get("op_index", i),
-                               op_name=r["op_name"], rows_in=r["rows_in"], rows_out=r["rows_out"],
-                               dropped=r.get("dropped", r["rows_in"] - r["rows_out"]),
-                               seconds=float(r.get("seconds", 0.0)),
-                               extra={k: v for k, v in r.items() if k not in known}))
+                s.add(
+                    m.OpStat(
+                        step_run_id=step_run_id,
+                        artifact_id=artifact_id,
+                        op_index=r.get("op_index", i),
+                        op_name=r["op_name"],
+                        rows_in=r["rows_in"],
+                        rows_out=r["rows_out"],
+                        dropped=r.get("dropped", r["rows_in"] - r["rows_out"]),
+                        seconds=float(r.get("seconds", 0.0)),
+                        extra={k: v for k, v in r.items() if k not in known},
+                    )
+                )
 
     def op_stats(self, *, step_run_id: str | None = None, artifact_id: str | None = None) -> list[dict]:
         with self.session() as s:
@@ -316,9 +371,18 @@ class MetadataStore:
                 q = q.where(m.OpStat.step_run_id == step_run_id)
             if artifact_id:
                 q = q.where(m.OpStat.artifact_id == artifact_id)
-            return [{"op_index": r.op_index, "op_name": r.op_name, "rows_in": r.rows_in, "rows_out": r.rows_out,
-                     "dropped": r.dropped, "seconds": r.seconds, **r.extra}
-                    for r in s.scalars(q.order_by(m.OpStat.op_index))]
+            return [
+                {
+                    "op_index": r.op_index,
+                    "op_name": r.op_name,
+                    "rows_in": r.rows_in,
+                    "rows_out": r.rows_out,
+                    "dropped": r.dropped,
+                    "seconds": r.seconds,
+                    **r.extra,
+                }
+                for r in s.scalars(q.order_by(m.OpStat.op_index))
+            ]
 
     # ---- API tokens (stored as sha256; the plaintext is shown once) ------------------------------
 
@@ -341,24 +405,29 @@ class MetadataStore:
 
     def list_tokens(self) -> list[TokenRecord]:
         with self.session() as s:
-            return [TokenRecord(r.name, list(r.scopes), r.revoked_at is not None, r.created_at)
-                    for r in s.scalars(select(m.ApiToken).order_by(m.ApiToken.id))]
+            return [
+                TokenRecord(r.name, list(r.scopes), r.revoked_at is not None, r.created_at)
+                for r in s.scalars(select(m.ApiToken).order_by(m.ApiToken.id))
+            ]
 
     def revoke_token(self, name: str) -> None:
         with self.session() as s:
             row = s.scalar(select(m.ApiToken).where(m.ApiToken.name == name))
             if row is None:
                 names = s.scalars(select(m.ApiToken.name).order_by(m.ApiToken.id)).all()
-                raise NotFoundError(f"no token named {name!r} (tokens: {', '.join(names) or 'none yet'}); "
-                                    "see `raypai token list`")
+                raise NotFoundError(
+                    f"no token named {name!r} (tokens: {', '.join(names) or 'none yet'}); see `raypai token list`"
+                )
             row.revoked_at = m.utcnow()
 
     # ---- deployments (desired state: raypai.deployment.DeploymentSpec, stored as its JSON) ---------
 
     def save_deployment(self, name: str, spec: DeploymentSpec, state: str) -> DeploymentRecord:
         if not isinstance(spec, DeploymentSpec):
-            raise TypeError(f"save_deployment({name!r}) takes a raypai.deployment.DeploymentSpec, "
-                            f"got {type(spec).__name__}; build one with DeploymentSpec(model=..., version=...)")
+            raise TypeError(
+                f"save_deployment({name!r}) takes a raypai.deployment.DeploymentSpec, "
+                f"got {type(spec).__name__}; build one with DeploymentSpec(model=..., version=...)"
+            )
         data = spec.to_dict()
         with self.session() as s:
             row = s.get(m.Deployment, name)
@@ -372,20 +441,38 @@ class MetadataStore:
                 row.history = [*row.history, entry][-50:]
             return _deployment(row)
 
-    def record_canary_check(self, name: str, stable_version: int, canary_version: int, decision: str, reason: str,
-                            stats: dict, action: str = "none") -> dict:
+    def record_canary_check(
+        self,
+        name: str,
+        stable_version: int,
+        canary_version: int,
+        decision: str,
+        reason: str,
+        stats: dict,
+        action: str = "none",
+    ) -> dict:
         with self.session() as s:
-            row = m.CanaryCheck(deployment=name, stable_version=stable_version, canary_version=canary_version,
-                                decision=decision, reason=reason, stats=stats, action=action)
+            row = m.CanaryCheck(
+                deployment=name,
+                stable_version=stable_version,
+                canary_version=canary_version,
+                decision=decision,
+                reason=reason,
+                stats=stats,
+                action=action,
+            )
             s.add(row)
             s.flush()
             return _canary_check(row)
 
     def latest_canary_check(self, name: str, canary_version: int) -> dict | None:
         with self.session() as s:
-            row = s.scalars(select(m.CanaryCheck).where(m.CanaryCheck.deployment == name,
-                                                        m.CanaryCheck.canary_version == canary_version)
-                            .order_by(m.CanaryCheck.id.desc()).limit(1)).first()
+            row = s.scalars(
+                select(m.CanaryCheck)
+                .where(m.CanaryCheck.deployment == name, m.CanaryCheck.canary_version == canary_version)
+                .order_by(m.CanaryCheck.id.desc())
+                .limit(1)
+            ).first()
             return _canary_check(row) if row else None
 
     def rollback_canary(self, name: str, canary_version: int, reason: str) -> bool:
@@ -401,8 +488,15 @@ class MetadataStore:
             spec = DeploymentSpec.from_dict(row.spec).with_canary(None).to_dict()
             now = m.utcnow()
             row.spec, row.updated_at = spec, now
-            row.history = [*row.history, {"at": now.isoformat(), "state": row.state, "spec": spec,
-                                          "event": f"canary v{canary_version} rolled back automatically: {reason}"}][-50:]
+            row.history = [
+                *row.history,
+                {
+                    "at": now.isoformat(),
+                    "state": row.state,
+                    "spec": spec,
+                    "event": f"canary v{canary_version} rolled back automatically: {reason}",
+                },
+            ][-50:]
             return True
 
     def get_deployment(self, name: str) -> DeploymentRecord | None:
@@ -449,32 +543,70 @@ def _artifact(r: m.ArtifactRow) -> Artifact:
 
 
 def _canary_check(r: m.CanaryCheck) -> dict:
-    return {c: getattr(r, c) for c in ("id", "deployment", "stable_version", "canary_version", "decision", "reason",
-                                       "stats", "action", "at")}
+    return {
+        c: getattr(r, c)
+        for c in ("id", "deployment", "stable_version", "canary_version", "decision", "reason", "stats", "action", "at")
+    }
 
 
 def _recent_runs(s: Session, n: int = 5) -> str:
     """The newest runs, for a not-found message: "newest runs: 1a2b3c4d (toy, failed), …"."""
-    rows = s.execute(select(m.PipelineRun.id, m.Pipeline.name, m.PipelineRun.state).join(m.Pipeline)
-                     .order_by(m.PipelineRun.started_at.desc()).limit(n)).all()
+    rows = s.execute(
+        select(m.PipelineRun.id, m.Pipeline.name, m.PipelineRun.state)
+        .join(m.Pipeline)
+        .order_by(m.PipelineRun.started_at.desc())
+        .limit(n)
+    ).all()
     if not rows:
         return "no runs are recorded yet"
     return "newest runs: " + ", ".join(f"{rid[:12]} ({name}, {state})" for rid, name, state in rows)
 
 
 def _deployment(r: m.Deployment) -> DeploymentRecord:
-    return DeploymentRecord(r.name, DeploymentSpec.from_dict(r.spec), r.state, list(r.history), r.created_at,
-                            r.updated_at)
+    return DeploymentRecord(
+        r.name, DeploymentSpec.from_dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at
+    )
 
 
 def _run_dict(r: m.PipelineRun, pipeline: str) -> dict:
-    return {"id": r.id, "pipeline": pipeline, "state": r.state, "params": r.params, "origin_run_id": r.origin_run_id,
-            "mlflow_run_id": r.mlflow_run_id, "ray_job_id": r.ray_job_id, "error": r.error,
-            "started_at": r.started_at, "finished_at": r.finished_at}
+    return {
+        "id": r.id,
+        "pipeline": pipeline,
+        "state": r.state,
+        "params": r.params,
+        "origin_run_id": r.origin_run_id,
+        "mlflow_run_id": r.mlflow_run_id,
+        "ray_job_id": r.ray_job_id,
+        "error": r.error,
+        "started_at": r.started_at,
+        "finished_at": r.finished_at,
+    }
 
 
 def _step_dict(r: m.StepRun) -> dict:
-    return {c: getattr(r, c) for c in ("id", "run_id", "node", "step_name", "state", "params", "cache_key",
-                                       "cache_hit", "cached_from", "cache_components", "cache_reason", "attempt",
-                                       "mlflow_run_id", "ray_task_id", "ray_node_id", "error", "traceback",
-                                       "result", "metrics", "started_at", "finished_at")}
+    return {
+        c: getattr(r, c)
+        for c in (
+            "id",
+            "run_id",
+            "node",
+            "step_name",
+            "state",
+            "params",
+            "cache_key",
+            "cache_hit",
+            "cached_from",
+            "cache_components",
+            "cache_reason",
+            "attempt",
+            "mlflow_run_id",
+            "ray_task_id",
+            "ray_node_id",
+            "error",
+            "traceback",
+            "result",
+            "metrics",
+            "started_at",
+            "finished_at",
+        )
+    }

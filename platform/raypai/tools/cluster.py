@@ -42,8 +42,17 @@ from raypai import exits
 from raypai.config import parse_assignments
 from raypai.errors import ConfigError, PipelineError
 
-__all__ = ["SubmittedJob", "auth_headers", "build_wheel", "export_clean_tree", "pipeline_entrypoint", "runtime_env",
-           "submit", "submit_command", "wheel_modules"]
+__all__ = [
+    "SubmittedJob",
+    "auth_headers",
+    "build_wheel",
+    "export_clean_tree",
+    "pipeline_entrypoint",
+    "runtime_env",
+    "submit",
+    "submit_command",
+    "wheel_modules",
+]
 
 # Forwarded to the job when set here, next to the resolved settings (DESIGN §2): the S3 endpoint.
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
@@ -57,9 +66,13 @@ def source_root() -> Path:
     root = Path(__file__).resolve().parents[3]  # platform/raypai/tools/cluster.py -> repository root
     pyproject = root / "pyproject.toml"
     if not pyproject.exists() or 'name = "raypai"' not in pyproject.read_text():
-        raise ConfigError([f"no raypai source checkout found at {root} (raypai is installed from a wheel); "
-                           "run `raypai submit` from a clone of the repository, or pass source=PATH"],
-                          what="wheel build")
+        raise ConfigError(
+            [
+                f"no raypai source checkout found at {root} (raypai is installed from a wheel); "
+                "run `raypai submit` from a clone of the repository, or pass source=PATH"
+            ],
+            what="wheel build",
+        )
     return root
 
 
@@ -82,18 +95,26 @@ def export_clean_tree(root: Path, dest: Path, ref: str | None = None) -> str:
         tree = subprocess.run(["git", "rev-parse", f"{ref}^{{tree}}"], cwd=root, capture_output=True, text=True)
         if tree.returncode != 0:
             raise ConfigError([f"--ref {ref!r}: not a commit of {root} ({tree.stderr.strip()})"], what="wheel build")
-        archive = subprocess.run(["git", "archive", "--format=tar", ref, "--", *paths], cwd=root,
-                                 capture_output=True, check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", ref, "--", *paths], cwd=root, capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
         return tree.stdout.strip()
     if (root / ".git").exists():
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths],
-                             cwd=root, capture_output=True, check=True)
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *paths],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
         files = sorted({f for f in out.stdout.decode().split("\0") if f and (root / f).is_file()})
     else:
-        files = sorted(str(p.relative_to(root)) for w in paths
-                       for p in ([root / w] if (root / w).is_file() else (root / w).rglob("*"))
-                       if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+        files = sorted(
+            str(p.relative_to(root))
+            for w in paths
+            for p in ([root / w] if (root / w).is_file() else (root / w).rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        )
     h = hashlib.sha256()
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -117,12 +138,28 @@ def build_wheel(out_dir: str | Path, *, source: str | Path | None = None, ref: s
             return cached[0]
         staging = Path(tmp) / "dist"
         # --no-build-isolation: build with this environment's setuptools, no package index needed.
-        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                               "--wheel-dir", str(staging), str(clean)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "--wheel-dir",
+                str(staging),
+                str(clean),
+            ],
+            capture_output=True,
+            text=True,
+        )
         built = sorted(staging.glob("raypai-*.whl"))
         if proc.returncode != 0 or not built:
-            raise PipelineError(f"building the raypai wheel from {root} failed:\n{proc.stderr[-3000:]}\n"
-                                "fix pyproject.toml or the package folders, then retry")
+            raise PipelineError(
+                f"building the raypai wheel from {root} failed:\n{proc.stderr[-3000:]}\n"
+                "fix pyproject.toml or the package folders, then retry"
+            )
         target.mkdir(parents=True, exist_ok=True)
         final = target / built[0].name
         shutil.move(str(built[0]), final)
@@ -167,8 +204,13 @@ def auth_headers(address: str, token: str | None = None, env: dict | None = None
     if not token and env.get("RAY_AUTH_TOKEN_PATH"):
         path = Path(env["RAY_AUTH_TOKEN_PATH"]).expanduser()
         if not path.is_file():
-            raise ConfigError([f"RAY_AUTH_TOKEN_PATH={path}: no such file; point it at the cluster's token "
-                               "(`ray get-auth-token` on the head prints it)"], what="Ray authentication")
+            raise ConfigError(
+                [
+                    f"RAY_AUTH_TOKEN_PATH={path}: no such file; point it at the cluster's token "
+                    "(`ray get-auth-token` on the head prints it)"
+                ],
+                what="Ray authentication",
+            )
         token = path.read_text().strip()
     default = Path.home() / ".ray" / "auth_token"
     if not token and default.is_file() and (_is_loopback(address) or env.get("RAY_AUTH_MODE", "").lower() == "token"):
@@ -176,8 +218,14 @@ def auth_headers(address: str, token: str | None = None, env: dict | None = None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def runtime_env(wheel: str | Path, *, env: dict | None = None, settings=None, working_dir: str | Path | None = None,
-                forward_credentials: bool = False) -> dict:
+def runtime_env(
+    wheel: str | Path,
+    *,
+    env: dict | None = None,
+    settings=None,
+    working_dir: str | Path | None = None,
+    forward_credentials: bool = False,
+) -> dict:
     """The job's runtime_env: the unpacked wheel as `py_modules`, the settings and S3 variables."""
     from raypai.settings import Settings
 
@@ -207,28 +255,42 @@ def _client(address: str, token: str | None):
     try:
         return JobSubmissionClient(address, headers=auth_headers(address, token))
     except ConnectionError as exc:
-        raise PipelineError(f"cannot reach the Ray Jobs API at {address} ({exc}); start the cluster "
-                            "(`infra/local-cluster.sh up` or `ray start --head`) or pass --address") from exc
+        raise PipelineError(
+            f"cannot reach the Ray Jobs API at {address} ({exc}); start the cluster "
+            "(`infra/local-cluster.sh up` or `ray start --head`) or pass --address"
+        ) from exc
     except Exception as exc:  # ray.exceptions.AuthenticationError is not importable everywhere
         if "uthenticat" in type(exc).__name__ + str(exc):
-            raise PipelineError(f"the Ray dashboard at {address} refused the request: {str(exc).splitlines()[0]}. "
-                                "Pass --token, or set RAY_AUTH_TOKEN (on the head, `ray get-auth-token` "
-                                "prints it)") from exc
+            raise PipelineError(
+                f"the Ray dashboard at {address} refused the request: {str(exc).splitlines()[0]}. "
+                "Pass --token, or set RAY_AUTH_TOKEN (on the head, `ray get-auth-token` "
+                "prints it)"
+            ) from exc
         raise
 
 
-def submit(entrypoint: str, address: str = DEFAULT_ADDRESS, *, wheel: str | Path,
-           working_dir: str | Path | None = None, env: dict | None = None, settings=None, token: str | None = None,
-           forward_credentials: bool = False, wait: bool = True, timeout_s: float | None = None,
-           echo=None) -> SubmittedJob:
+def submit(
+    entrypoint: str,
+    address: str = DEFAULT_ADDRESS,
+    *,
+    wheel: str | Path,
+    working_dir: str | Path | None = None,
+    env: dict | None = None,
+    settings=None,
+    token: str | None = None,
+    forward_credentials: bool = False,
+    wait: bool = True,
+    timeout_s: float | None = None,
+    echo=None,
+) -> SubmittedJob:
     """Submit `entrypoint` with raypai shipped as `wheel` (build_wheel); optionally wait and return
     the logs. `echo(text)` receives new log lines while waiting (the CLI prints them).
     """
     client = _client(address, token)
-    renv = runtime_env(wheel, env=env, settings=settings, working_dir=working_dir,
-                       forward_credentials=forward_credentials)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=renv,
-                               metadata={"raypai_wheel": Path(wheel).name})
+    renv = runtime_env(
+        wheel, env=env, settings=settings, working_dir=working_dir, forward_credentials=forward_credentials
+    )
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=renv, metadata={"raypai_wheel": Path(wheel).name})
     if not wait:
         return SubmittedJob(job_id, address)
     start, seen = time.monotonic(), 0
@@ -242,8 +304,10 @@ def submit(entrypoint: str, address: str = DEFAULT_ADDRESS, *, wheel: str | Path
             return SubmittedJob(job_id, address, str(status.value), logs)
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             client.stop_job(job_id)
-            raise PipelineError(f"job {job_id} did not finish within {timeout_s:.0f}s and was stopped; "
-                                "raise --timeout or run with --no-wait")
+            raise PipelineError(
+                f"job {job_id} did not finish within {timeout_s:.0f}s and was stopped; "
+                "raise --timeout or run with --no-wait"
+            )
         time.sleep(1.0)
 
 
@@ -254,8 +318,13 @@ def pipeline_entrypoint(target: str, params: list[str], python: str = "python") 
     if file_part.endswith(".py"):
         path = Path(file_part)
         if not path.is_file():
-            raise ConfigError([f"pipeline file {file_part}: no such file; pass a path to a .py pipeline "
-                               "or a module such as raypai.pipelines.tinychat"], what="raypai submit")
+            raise ConfigError(
+                [
+                    f"pipeline file {file_part}: no such file; pass a path to a .py pipeline "
+                    "or a module such as raypai.pipelines.tinychat"
+                ],
+                what="raypai submit",
+            )
         folder = Path(tempfile.mkdtemp(prefix="raypai-submit-"))
         shutil.copy2(path, folder / path.name)  # only this file: never the repository as working_dir
         run_target = path.name + (sep + name if sep else "")
@@ -267,16 +336,22 @@ def pipeline_entrypoint(target: str, params: list[str], python: str = "python") 
 
 def submit_command(
     target: str = typer.Argument(..., help="pipeline FILE.py[:NAME] or module (raypai.pipelines.tinychat)"),
-    address: str = typer.Option(os.environ.get("RAY_API_SERVER_ADDRESS", DEFAULT_ADDRESS), "--address",
-                                help="Ray dashboard / Jobs API address"),
+    address: str = typer.Option(
+        os.environ.get("RAY_API_SERVER_ADDRESS", DEFAULT_ADDRESS), "--address", help="Ray dashboard / Jobs API address"
+    ),
     param: list[str] = typer.Option([], "--param", "-p", help="pipeline parameter KEY=VALUE (repeatable)"),
-    token: Optional[str] = typer.Option(None, "--token", help="Ray auth token (default: RAY_AUTH_TOKEN, "
-                                        "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token for a local cluster)"),
-    forward_credentials: bool = typer.Option(False, "--forward-credentials",
-                                             help="also send AWS_ACCESS_KEY_ID/SECRET (visible in the dashboard)"),
+    token: Optional[str] = typer.Option(
+        None,
+        "--token",
+        help="Ray auth token (default: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token for a local cluster)",
+    ),
+    forward_credentials: bool = typer.Option(
+        False, "--forward-credentials", help="also send AWS_ACCESS_KEY_ID/SECRET (visible in the dashboard)"
+    ),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the logs until the job ends"),
-    ref: Optional[str] = typer.Option(None, "--ref", help="build the wheel from this commit (git archive) "
-                                      "instead of the working tree's files"),
+    ref: Optional[str] = typer.Option(
+        None, "--ref", help="build the wheel from this commit (git archive) instead of the working tree's files"
+    ),
     wheel: Optional[Path] = typer.Option(None, "--wheel", help="ship this prebuilt raypai wheel instead"),
 ):
     """Run a pipeline on a Ray cluster through the Jobs API, with raypai shipped as a wheel."""
@@ -292,13 +367,22 @@ def submit_command(
     console.print(f"wheel: {wheel}")
     if not _is_loopback(address):
         if s.database_url.startswith("sqlite") or "://" not in s.artifact_uri:
-            console.print("[yellow]note:[/] this machine's SQLite database / local artifact folder are not visible "
-                          "to a remote cluster; point RAYPAI_DATABASE_URL and RAYPAI_ARTIFACT_URI at shared services "
-                          "(docs/production.md)")
+            console.print(
+                "[yellow]note:[/] this machine's SQLite database / local artifact folder are not visible "
+                "to a remote cluster; point RAYPAI_DATABASE_URL and RAYPAI_ARTIFACT_URI at shared services "
+                "(docs/production.md)"
+            )
     try:
-        job = submit(entrypoint, address, wheel=wheel, working_dir=folder, token=token,
-                     forward_credentials=forward_credentials, wait=wait,
-                     echo=lambda text: print(text, end="", flush=True))
+        job = submit(
+            entrypoint,
+            address,
+            wheel=wheel,
+            working_dir=folder,
+            token=token,
+            forward_credentials=forward_credentials,
+            wait=wait,
+            echo=lambda text: print(text, end="", flush=True),
+        )
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -16,14 +16,26 @@ def run_checks(settings: Settings) -> list[tuple[str, bool, str]]:
 
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     shadow_ok = Path(std_platform.__file__).resolve().is_relative_to(stdlib)
-    out.append(("stdlib platform not shadowed", shadow_ok,
-                std_platform.__file__ if shadow_ok else f"{std_platform.__file__} shadows the standard library: "
-                "remove platform/__init__.py"))
+    out.append(
+        (
+            "stdlib platform not shadowed",
+            shadow_ok,
+            std_platform.__file__
+            if shadow_ok
+            else f"{std_platform.__file__} shadows the standard library: remove platform/__init__.py",
+        )
+    )
     try:
         from raypai.store import MetadataStore, current_revision
 
         store = MetadataStore(settings.database_url)
-        out.append(("metadata database", True, f"{_redact(settings.database_url)} at revision {current_revision(store.engine)}"))
+        out.append(
+            (
+                "metadata database",
+                True,
+                f"{_redact(settings.database_url)} at revision {current_revision(store.engine)}",
+            )
+        )
     except Exception as exc:  # noqa: BLE001 - report, don't crash
         out.append(("metadata database", False, str(exc)))
     try:
@@ -62,8 +74,10 @@ def runtime_checks(settings: Settings) -> list[tuple[str, bool, str]]:
     if settings.ray_address:
         where = f"RAY_ADDRESS={settings.ray_address}: runs join that cluster"
     elif state.head is not None:
-        where = (f"raypai's Ray head at {state.head.address} (dashboard {state.head.dashboard_url or 'off'}, "
-                 f"Serve port {state.head.serve_port}); `raypai ray stop` stops it")
+        where = (
+            f"raypai's Ray head at {state.head.address} (dashboard {state.head.dashboard_url or 'off'}, "
+            f"Serve port {state.head.serve_port}); `raypai ray stop` stops it"
+        )
     else:
         where = "no Ray head recorded: each run starts a local Ray; `raypai ray start` keeps one up"
     taken = [f"{port} ({name})" for name, port in DEFAULT_PORTS.items() if not port_is_free(port)]

@@ -19,13 +19,23 @@ __all__ = ["differences", "lineage_digests", "lineage_shape", "mlflow_shape", "r
 def lineage_shape(tree: dict) -> dict:
     """An upstream tree (`raypai.lineage.upstream`) without ids, URIs, digests, run ids and times."""
     art = tree["artifact"]
-    out: dict = {"keys": sorted(tree), "kind": art["kind"], "name": art["name"],
-                 "metadata_keys": sorted(art.get("metadata") or {}), "repeated": bool(tree.get("repeated"))}
+    out: dict = {
+        "keys": sorted(tree),
+        "kind": art["kind"],
+        "name": art["name"],
+        "metadata_keys": sorted(art.get("metadata") or {}),
+        "repeated": bool(tree.get("repeated")),
+    }
     step = tree.get("produced_by")
     if step is not None:
         out["produced_by"] = {
-            "keys": sorted(step), "node": step["node"], "step": step["step"], "state": step["state"],
-            "pipeline": step["pipeline"], "cache_hit": step["cache_hit"], "has_mlflow_run": bool(step["mlflow_run_id"]),
+            "keys": sorted(step),
+            "node": step["node"],
+            "step": step["step"],
+            "state": step["state"],
+            "pipeline": step["pipeline"],
+            "cache_hit": step["cache_hit"],
+            "has_mlflow_run": bool(step["mlflow_run_id"]),
             "metric_keys": sorted(step["metrics"]),
             "inputs": [{"name": i["name"], "lineage": lineage_shape(i["lineage"])} for i in step["inputs"]],
         }
@@ -50,18 +60,29 @@ def mlflow_shape(tracker, parent_run_id: str) -> dict:
 
 
 def _run_shape(client, run) -> dict:
-    children = client.search_runs([run.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    children = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'"
+    )
     by_name: dict = {}
     for child in children:
         name = child.data.tags.get("mlflow.runName", child.info.run_name)
         by_name.setdefault(name, []).append(_run_shape(client, child))
-    inputs = sorted((d.dataset.name, {t.key: t.value for t in d.tags}.get("mlflow.data.context", ""),
-                     {t.key: t.value for t in d.tags}.get("raypai.kind", ""))
-                    for d in (run.inputs.dataset_inputs if run.inputs else []))
-    return {"status": run.info.status, "param_keys": sorted(run.data.params), "metric_keys": sorted(run.data.metrics),
-            "tag_keys": sorted(run.data.tags), "inputs": [list(i) for i in inputs],
-            "children": {k: sorted(v, key=repr) for k, v in sorted(by_name.items())}}
+    inputs = sorted(
+        (
+            d.dataset.name,
+            {t.key: t.value for t in d.tags}.get("mlflow.data.context", ""),
+            {t.key: t.value for t in d.tags}.get("raypai.kind", ""),
+        )
+        for d in (run.inputs.dataset_inputs if run.inputs else [])
+    )
+    return {
+        "status": run.info.status,
+        "param_keys": sorted(run.data.params),
+        "metric_keys": sorted(run.data.metrics),
+        "tag_keys": sorted(run.data.tags),
+        "inputs": [list(i) for i in inputs],
+        "children": {k: sorted(v, key=repr) for k, v in sorted(by_name.items())},
+    }
 
 
 def registry_shape(tracker, name: str) -> dict:
@@ -71,9 +92,15 @@ def registry_shape(tracker, name: str) -> dict:
     versions = []
     for mv in sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
         run_name = client.get_run(mv.run_id).data.tags.get("mlflow.runName") if mv.run_id else None
-        versions.append({"version": int(mv.version), "status": mv.status, "tag_keys": sorted(mv.tags or {}),
-                         "aliases": sorted(a for a, v in aliases.items() if str(v) == str(mv.version)),
-                         "run_name": run_name})
+        versions.append(
+            {
+                "version": int(mv.version),
+                "status": mv.status,
+                "tag_keys": sorted(mv.tags or {}),
+                "aliases": sorted(a for a, v in aliases.items() if str(v) == str(mv.version)),
+                "run_name": run_name,
+            }
+        )
     return {"name": name, "versions": versions}
 
 

@@ -30,8 +30,7 @@ import typer
 from raypai import exits
 from raypai.errors import ConfigError, StoreError
 
-__all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up",
-           "with_free_ports"]
+__all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up", "with_free_ports"]
 
 _DB_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -61,14 +60,17 @@ class ServicesConfig:
     def validate(self) -> "ServicesConfig":
         problems = []
         if not self.postgres_url.startswith(("postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://")):
-            problems.append(f"postgres_url={self.postgres_url!r}: expected "
-                            "postgresql+psycopg://user@host:5432/postgres")
+            problems.append(
+                f"postgres_url={self.postgres_url!r}: expected postgresql+psycopg://user@host:5432/postgres"
+            )
         for field in ("mlflow_db", "metadata_db"):
             if not _DB_NAME.match(getattr(self, field)):
                 problems.append(f"{field}={getattr(self, field)!r}: use lower-case letters, digits and '_'")
         if self.mlflow_db == self.metadata_db:
-            problems.append(f"mlflow_db and metadata_db are both {self.mlflow_db!r}: MLflow and raypai each "
-                            "migrate their own schema, give them separate databases")
+            problems.append(
+                f"mlflow_db and metadata_db are both {self.mlflow_db!r}: MLflow and raypai each "
+                "migrate their own schema, give them separate databases"
+            )
         for field in ("mlflow_port", "s3_port"):
             if not 1 <= getattr(self, field) <= 65535:
                 problems.append(f"{field}={getattr(self, field)}: must be a TCP port (1-65535)")
@@ -105,8 +107,13 @@ class ServiceState:
 
 
 def _aws_env(cfg: ServicesConfig) -> dict[str, str]:
-    return {"AWS_ENDPOINT_URL": cfg.s3_endpoint, "AWS_ACCESS_KEY_ID": cfg.access_key,
-            "AWS_SECRET_ACCESS_KEY": cfg.secret_key, "AWS_REGION": cfg.region, "AWS_DEFAULT_REGION": cfg.region}
+    return {
+        "AWS_ENDPOINT_URL": cfg.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": cfg.access_key,
+        "AWS_SECRET_ACCESS_KEY": cfg.secret_key,
+        "AWS_REGION": cfg.region,
+        "AWS_DEFAULT_REGION": cfg.region,
+    }
 
 
 def service_env(cfg: ServicesConfig) -> dict[str, str]:
@@ -125,16 +132,33 @@ def _commands(cfg: ServicesConfig) -> dict[str, tuple[list[str], dict[str, str],
     """name -> (argv, extra environment, health URL); the service's own URL is `_base(health)`."""
     py = sys.executable
     return {
-        "s3": ([py, "-m", "moto.server", "-H", cfg.host, "-p", str(cfg.s3_port)], {},
-               f"{cfg.s3_endpoint}/moto-api/"),
-        "mlflow": ([py, "-m", "mlflow", "server", "--host", cfg.host, "--port", str(cfg.mlflow_port),
-                    # one worker: these machines are small, and each worker is a full process
-                    "--workers", "1", "--backend-store-uri", cfg.db_url(cfg.mlflow_db),
-                    "--artifacts-destination", f"s3://{cfg.bucket}/mlflow"],
-                   {**_aws_env(cfg), "MLFLOW_S3_ENDPOINT_URL": cfg.s3_endpoint,
-                    # MLflow 3's server-side job runner (GenAI evaluation jobs, 8 processes): not used here
-                    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                   f"{cfg.mlflow_uri}/health"),
+        "s3": ([py, "-m", "moto.server", "-H", cfg.host, "-p", str(cfg.s3_port)], {}, f"{cfg.s3_endpoint}/moto-api/"),
+        "mlflow": (
+            [
+                py,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.mlflow_port),
+                # one worker: these machines are small, and each worker is a full process
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                cfg.db_url(cfg.mlflow_db),
+                "--artifacts-destination",
+                f"s3://{cfg.bucket}/mlflow",
+            ],
+            {
+                **_aws_env(cfg),
+                "MLFLOW_S3_ENDPOINT_URL": cfg.s3_endpoint,
+                # MLflow 3's server-side job runner (GenAI evaluation jobs, 8 processes): not used here
+                "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            },
+            f"{cfg.mlflow_uri}/health",
+        ),
     }
 
 
@@ -178,9 +202,11 @@ def _wait_healthy(name: str, url: str, pid: int, log: Path, timeout_s: float) ->
             break
         time.sleep(0.5)
     tail = log.read_text(errors="replace")[-2500:] if log.exists() else "(no log)"
-    raise StoreError(f"the {name} service did not become healthy at {url} within {timeout_s:.0f}s; "
-                     f"its log {log} ends with:\n{tail}\nfix the cause (port in use? database down?) and run "
-                     "`raypai services up` again")
+    raise StoreError(
+        f"the {name} service did not become healthy at {url} within {timeout_s:.0f}s; "
+        f"its log {log} ends with:\n{tail}\nfix the cause (port in use? database down?) and run "
+        "`raypai services up` again"
+    )
 
 
 def _ensure_databases(cfg: ServicesConfig) -> None:
@@ -194,8 +220,10 @@ def _ensure_databases(cfg: ServicesConfig) -> None:
                 if conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).first() is None:
                     conn.execute(text(f'CREATE DATABASE "{name}"'))
     except OperationalError as exc:
-        raise StoreError(f"PostgreSQL at {cfg.postgres_url} is not reachable ({str(exc).splitlines()[0]}); start "
-                         "it, or pass --postgres-url postgresql+psycopg://USER@HOST:PORT/postgres") from exc
+        raise StoreError(
+            f"PostgreSQL at {cfg.postgres_url} is not reachable ({str(exc).splitlines()[0]}); start "
+            "it, or pass --postgres-url postgresql+psycopg://USER@HOST:PORT/postgres"
+        ) from exc
     finally:
         engine.dispose()
 
@@ -203,8 +231,13 @@ def _ensure_databases(cfg: ServicesConfig) -> None:
 def _ensure_bucket(cfg: ServicesConfig) -> None:
     import pyarrow.fs as pafs
 
-    s3 = pafs.S3FileSystem(access_key=cfg.access_key, secret_key=cfg.secret_key, region=cfg.region,
-                           endpoint_override=cfg.s3_endpoint, allow_bucket_creation=True)
+    s3 = pafs.S3FileSystem(
+        access_key=cfg.access_key,
+        secret_key=cfg.secret_key,
+        region=cfg.region,
+        endpoint_override=cfg.s3_endpoint,
+        allow_bucket_creation=True,
+    )
     if s3.get_file_info(cfg.bucket).type == pafs.FileType.NotFound:
         s3.create_dir(cfg.bucket)
 
@@ -216,14 +249,23 @@ def _start(cfg: ServicesConfig, name: str, timeout_s: float) -> int:
         _wait_healthy(name, health, pid, cfg.dir / f"{name}.log", timeout_s)
         return pid
     if _healthy(health)[0]:
-        raise StoreError(f"{_base(health)} already answers like a {name} server that raypai did not "
-                         f"start; stop it, or pick another port (--{'s3' if name == 's3' else 'mlflow'}-port)")
+        raise StoreError(
+            f"{_base(health)} already answers like a {name} server that raypai did not "
+            f"start; stop it, or pick another port (--{'s3' if name == 's3' else 'mlflow'}-port)"
+        )
     log = cfg.dir / f"{name}.log"
     env = {**os.environ, **extra, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as out:
         # own session: `down` signals the whole group (mlflow server forks its workers)
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, cwd=cfg.dir)
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            cwd=cfg.dir,
+        )
     (cfg.dir / f"{name}.pid").write_text(str(proc.pid))
     _wait_healthy(name, health, proc.pid, log, timeout_s)
     return proc.pid
@@ -302,13 +344,15 @@ def with_free_ports(cfg: ServicesConfig, pinned: set[str] = frozenset()) -> Serv
         port = getattr(cfg, field)
         if field in pinned or _pid(cfg, name) is not None or port_is_free(port):
             continue
-        changes[field] = pick_port(ServicesConfig.__dataclass_fields__[field].default,
-                                   avoid={cfg.s3_port, cfg.mlflow_port, *changes.values()})
+        changes[field] = pick_port(
+            ServicesConfig.__dataclass_fields__[field].default, avoid={cfg.s3_port, cfg.mlflow_port, *changes.values()}
+        )
     return replace(cfg, **changes) if changes else cfg
 
 
-services_app = typer.Typer(help="Local S3 + MLflow (PostgreSQL backend) servers: up, status, env, down.",
-                           no_args_is_help=True)
+services_app = typer.Typer(
+    help="Local S3 + MLflow (PostgreSQL backend) servers: up, status, env, down.", no_args_is_help=True
+)
 
 
 def _home() -> Path:
@@ -320,8 +364,9 @@ def _home() -> Path:
 
 @services_app.command("up")
 def up_command(
-    postgres_url: str = typer.Option(None, help="an existing database on the server [postgresql+psycopg://"
-                                     "postgres@127.0.0.1:5432/postgres]"),
+    postgres_url: str = typer.Option(
+        None, help="an existing database on the server [postgresql+psycopg://postgres@127.0.0.1:5432/postgres]"
+    ),
     mlflow_port: int = typer.Option(None, help="MLflow server port [5000, or a free one when taken]"),
     s3_port: int = typer.Option(None, help="S3 server port [9000, or a free one when taken]"),
     bucket: str = typer.Option(None, help="S3 bucket for artifacts [raypai]"),
@@ -330,8 +375,11 @@ def up_command(
     cfg = load_config(_home(), postgres_url=postgres_url, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket)
     cfg = with_free_ports(cfg, pinned={k for k, v in {"mlflow_port": mlflow_port, "s3_port": s3_port}.items() if v})
     env = up(cfg)
-    typer.echo(f"S3 server {cfg.s3_endpoint} (bucket {cfg.bucket}); MLflow {cfg.mlflow_uri} "
-               f"(backend {cfg.db_url(cfg.mlflow_db)}); logs in {cfg.dir}", err=True)
+    typer.echo(
+        f"S3 server {cfg.s3_endpoint} (bucket {cfg.bucket}); MLflow {cfg.mlflow_uri} "
+        f"(backend {cfg.db_url(cfg.mlflow_db)}); logs in {cfg.dir}",
+        err=True,
+    )
     typer.echo("# point raypai at them (also in " + str(cfg.dir / "env.sh") + "):", err=True)
     for k, v in env.items():
         typer.echo(f"export {k}={v}")
