@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install test test-floor test-vllm demo demo-stop bench clean
+.PHONY: install lint test test-floor test-vllm demo demo-stop bench clean
 
 # The last line: DeepSpeed JIT-compiles its CPU shared-memory comm op the first time a process group
 # starts (~30 s on 2 cores, then cached under ~/.cache/torch_extensions); built here, with the other
@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# ruff's lint and format check, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The PostgreSQL tests use RAYPAI_TEST_DATABASE_URL; when it is unset and the local server answers
 # (trust auth, database `test`), it is set to that server. Otherwise they are skipped, and pytest's

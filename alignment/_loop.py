@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from raypai.alignment._order import gather_completions, sample_rows as _sample_rows
+from raypai.alignment._order import gather_completions
+from raypai.alignment._order import sample_rows as _sample_rows
 from raypai.alignment._tensors import pad, select_rows
 from raypai.errors import RaypaiError
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from raypai.config import parse_config
 from raypai.errors import ConfigError
 
-
 # how the rollout samples: raypai's own decoding loop (finished rows leave the batch, behaviour
 # log-probs from the sampling pass), transformers' `generate` (for a model the loop cannot drive) or
 # vLLM (`pip install 'raypai[vllm]'`, for GPU clusters; weights pushed into it after each update)

@@ -90,7 +90,7 @@ class SharedWeights:
     def _views(self, state: dict, flat: torch.Tensor | None = None):
         """(tensor, its slice of the buffer — or of `flat`, a device copy of the buffer's layout)."""
         buf = self.buf if flat is None else flat
-        for (name, offset, nbytes), dtype, t in zip(self.entries, self.dtypes, state.values()):
+        for (_name, offset, nbytes), dtype, t in zip(self.entries, self.dtypes, state.values()):
             yield t, buf[offset : offset + nbytes].view(dtype).view(t.shape)
 
     def bind(self, params: dict, *, copy: bool) -> None:

@@ -59,9 +59,9 @@ class Steps:
 
 
 def workload(n_prompts: int, seed: int):
-    from raypai.alignment.tasks import arithmetic as ar
-
     import random
+
+    from raypai.alignment.tasks import arithmetic as ar
 
     items = ar.problems(max_operand=49)
     random.Random(seed).shuffle(items)

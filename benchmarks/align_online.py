@@ -34,6 +34,7 @@ def length_mod_5(prompts, completions, **_) -> list[float]:
 
 def main() -> None:
     import align_grpo as bench
+
     from raypai.alignment import DPOConfig, PPOConfig, run_dpo, run_ppo
     from raypai.alignment.data import preference_examples, prompt_examples
     from raypai.alignment.tasks import arithmetic as ar

@@ -66,9 +66,9 @@ MILTON = Path("/work/shared/corpora/milton")
 
 def prepare_milton(dst: Path) -> Path:
     """One JSONL file per book, one row per blank-line paragraph (raypai's ingest split)."""
-    from raypai.data.ingest import IngestConfig, ingest
-
     import pyarrow.parquet as pq
+
+    from raypai.data.ingest import IngestConfig, ingest
 
     if (dst / "jsonl").exists():
         return dst / "jsonl"
@@ -77,9 +77,9 @@ def prepare_milton(dst: Path) -> Path:
 
 
 def prepare_synthetic(dst: Path, docs: int) -> Path:
-    from raypai.data import ingest, synth
-
     import pyarrow.parquet as pq
+
+    from raypai.data import ingest, synth
 
     if (dst / "jsonl").exists():
         return dst / "jsonl"

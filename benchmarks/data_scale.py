@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from data_clean import prepare_synthetic, run_datatrove
 
 REPO = Path(__file__).resolve().parents[1]

@@ -60,10 +60,10 @@ _import_raypai()
 import torch  # noqa: E402
 
 from raypai.alignment._tensors import token_logprobs  # noqa: E402
-from raypai.alignment.losses import (
+from raypai.alignment.losses import (  # noqa: E402
     ChosenRejected,
     bradley_terry_loss,
-    clipped_surrogate,  # noqa: E402
+    clipped_surrogate,
     clipped_value_loss,
     dpo_loss,
     gae,
@@ -685,7 +685,7 @@ def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
-    for step in range(steps):
+    for _ in range(steps):
         r = {}
         _, r["sync_s"] = timed(lambda: rollout.load_shared(policy.write_shared()))
         trainer = {k: v.to(torch.bfloat16) for k, v in policy.engine.module.state_dict().items()}

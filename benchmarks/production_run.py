@@ -95,12 +95,12 @@ def run_mode(mode: str, out_path: Path) -> None:
     from ray import serve
 
     from raypai.lineage.deploy import deployment_lineage
-    from raypai.tools.parity import lineage_digests, lineage_shape, mlflow_shape, registry_shape
     from raypai.pipelines.tinychat import tinychat
     from raypai.runner import Runner, tracker_for
     from raypai.serving.control import serve_port
     from raypai.settings import Settings
     from raypai.store import MetadataStore
+    from raypai.tools.parity import lineage_digests, lineage_shape, mlflow_shape, registry_shape
 
     settings = Settings.load()
     rec: dict = {"mode": mode, "settings": {k: v for k, v in settings.to_env().items() if k != "RAYPAI_HOME"}}

@@ -67,8 +67,8 @@ import ray
 
 from raypai._faults import from_env
 from raypai.data import _components as cc
-from raypai.data._execute import DROP_SCHEMA
 from raypai.data import _shuffle as sh
+from raypai.data._execute import DROP_SCHEMA
 from raypai.data.ops import minhash as mh
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 from raypai.errors import DataError

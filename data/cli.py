@@ -35,7 +35,6 @@ def clean_cmd(
     from raypai.data.clean import clean
     from raypai.data.ingest import IngestConfig, ingest
     from raypai.data.recipe import load_recipe
-
     from raypai.runtime import ensure_ray
     from raypai.settings import Settings
 

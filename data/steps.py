@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from raypai import Artifact, StepContext, step
 from raypai.data.clean import clean as clean_dataset
 from raypai.data.ingest import IngestConfig

@@ -236,8 +236,8 @@ def test_bad_pipeline_definitions_are_clear_errors(raypai_home):
     with pytest.raises(PipelineError, match="its parameters are: n, seed"):
         bad_step_param.build()
 
-    from raypai.pipelines.toy import count, transform, write_text
     from raypai.dsl import StepOutput
+    from raypai.pipelines.toy import count, transform, write_text
 
     dag = DAG("cyclic", {})
     dag.nodes["a"] = Node("a", transform, {"text": StepOutput("b")})

@@ -7,7 +7,6 @@ from pathlib import Path
 from raypai.errors import TrainError
 from raypai.train.config import ModelConfig
 
-
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",

@@ -6,10 +6,9 @@ base = pretrain(shards, tokenizer, steps=200, register_as="tinychat-base")   # i
 
 from __future__ import annotations
 
-
 from raypai import Artifact, StepContext, step
 from raypai.train import _fs
-from raypai.train.config import ModelConfig, PretrainConfig
+from raypai.train.config import PretrainConfig
 from raypai.train.trainer import pretrain as run_pretrain
 
 

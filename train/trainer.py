@@ -24,7 +24,6 @@ from raypai.train.export import export_model
 from raypai.train.loop import train_loop
 from raypai.train.model import build_model, flops_per_token, param_count
 
-
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default
 # 2 s) and each poll takes at most one report off a worker's one-slot result queue: every
 # checkpoint reported while the previous one still waits there blocks its worker until a poll,

@@ -9,7 +9,8 @@ import torch
 from raypai.alignment._tensors import to_device
 from raypai.alignment.losses import clipped_value_loss, ppo_targets
 from raypai.alignment.roles._device import autocast, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step, without_dropout
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, without_dropout
+from raypai.alignment.roles._engine import step as engine_step
 
 
 class Critic(Sleeps):

@@ -27,7 +27,8 @@ from raypai.alignment.losses import (
     ppo_targets,
 )
 from raypai.alignment.roles._device import DTYPES, autocast, maybe, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, step as engine_step, without_dropout
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, without_dropout
+from raypai.alignment.roles._engine import step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it
 # a step is a thousand small operations whose fork/join costs more than the split saves, and the

@@ -6,9 +6,9 @@ from __future__ import annotations
 import bisect
 import re
 import string
-from itertools import chain
 from dataclasses import dataclass, field
 from importlib import resources
+from itertools import chain
 
 import numpy as np
 

@@ -308,7 +308,6 @@ class Runner:
         return f"cache miss: {text} (compared with run {before['run_id'][:8]} step {before['node']})"
 
     def _submit(self, run_id, dag, node, srid, attempt, results, mlflow_parent):
-        import ray
 
         spec = dag.nodes[node].step
         inputs = self._inputs(dag, node, results)
@@ -445,11 +444,11 @@ def _split_result(step_name: str, value) -> tuple[dict, object]:
         return arts, _jsonable({k: v for k, v in value.items() if k not in arts})
     try:
         canonical(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as err:
         raise PipelineError(
             f"step {step_name!r} returned a {type(value).__name__}, which cannot be recorded; "
             "return an Artifact (ctx.save(...)), a dict of Artifacts, or a small JSON-able value"
-        )
+        ) from err
     return {}, _jsonable(value)
 
 

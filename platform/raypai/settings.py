@@ -15,10 +15,11 @@ into a running Ray.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
+
+import tomllib
 
 from raypai.errors import ConfigError
 

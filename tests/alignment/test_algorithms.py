@@ -212,7 +212,7 @@ class UpdateOrder:
         on (the last one submitted before it), if it waits for it at all, i.e. Ray hands the samples
         to the trainer."""
         out = []
-        for i, (kind, ref) in enumerate(self.events):
+        for i, (kind, _ref) in enumerate(self.events):
             if kind != "submit":
                 continue
             gen = next(r for k, r in reversed(self.events[:i]) if k == "generate")

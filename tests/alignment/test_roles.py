@@ -11,8 +11,6 @@ import torch
 from ray.util.state import list_actors
 from transformers import AutoTokenizer
 
-from raypai.chat import ChatFormat
-
 from raypai.alignment._loop import asleep
 from raypai.alignment._tensors import encode_sft
 from raypai.alignment.data import sft_examples
@@ -20,6 +18,7 @@ from raypai.alignment.placement import Placement, RoleSpec
 from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
 from raypai.alignment.sync import start_sync, sync_weights, wait_loads
 from raypai.alignment.tasks import arithmetic as ar
+from raypai.chat import ChatFormat
 from raypai.errors import ConfigError
 
 

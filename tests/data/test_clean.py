@@ -294,8 +294,9 @@ def test_a_single_large_file_is_filtered_by_several_tasks(tmp_path, ray_local):
 def test_cross_shard_duplicates_are_found(tmp_path, ray_local):
     raw = tmp_path / "raw"
     raw.mkdir()
-    from raypai.data.synth import near_duplicate, prose
     import random
+
+    from raypai.data.synth import near_duplicate, prose
 
     rng = random.Random(1)
     docs = [prose(rng, 10) for _ in range(6)]

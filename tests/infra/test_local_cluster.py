@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from raypai.tools.cluster import build_wheel, submit
 from raypai.errors import PipelineError
+from raypai.tools.cluster import build_wheel, submit
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "infra" / "local-cluster.sh"
@@ -81,7 +81,7 @@ def test_job_with_the_wheel_runs_tasks_on_both_nodes(cluster, wheel, tmp_path, m
     (job_dir / "where.py").write_text(JOB)
     job = submit("python where.py", cluster["address"], wheel=wheel, working_dir=job_dir, timeout_s=240)
     assert job.status == "SUCCEEDED", job.logs[-3000:]
-    result = json.loads(next(l for l in job.logs.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
+    result = json.loads(next(line for line in job.logs.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
     tasks = result["tasks"]
     assert len({t["node"] for t in tasks}) == 2  # head and worker node both ran tasks
     # every process imported raypai, mapped subpackages included, from the shipped wheel package,

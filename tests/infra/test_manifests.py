@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 from raypai.settings import Settings
@@ -124,7 +124,9 @@ def test_compose_ports_and_exports_match_raypai_services_defaults():
     exports = dict(
         re.findall(
             r"(\w+)=(\S+)",
-            "\n".join(l for l in (INFRA / "compose.yaml").read_text().splitlines() if l.startswith("#   export")),
+            "\n".join(
+                line for line in (INFRA / "compose.yaml").read_text().splitlines() if line.startswith("#   export")
+            ),
         )
     )
     env = service_env(defaults)
@@ -147,7 +149,9 @@ def test_cluster_launcher_config_passes_rays_schema_and_uses_the_image():
     for cmd in config["head_start_ray_commands"][1:] + config["worker_start_ray_commands"][1:]:
         assert f". {env_file}" in cmd and "ray start" in cmd
     example = dict(
-        l.split("=", 1) for l in (INFRA / "raypai.env.example").read_text().splitlines() if l and not l.startswith("#")
+        line.split("=", 1)
+        for line in (INFRA / "raypai.env.example").read_text().splitlines()
+        if line and not line.startswith("#")
     )
     assert Settings.load(example).artifact_uri.startswith("s3://") and example["RAY_AUTH_MODE"] == "token"
 
@@ -155,8 +159,10 @@ def test_cluster_launcher_config_passes_rays_schema_and_uses_the_image():
 def test_local_cluster_script_parses_and_never_stops_every_ray_on_the_machine(tmp_path):
     script = INFRA / "local-cluster.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    code = [l.split("#", 1)[0] for l in script.read_text().splitlines()]
-    assert not any(re.search(r"\bray\b.*\bstop\b|\$RAY\"? stop", l) for l in code), "use the pid files, not ray stop"
+    code = [line.split("#", 1)[0] for line in script.read_text().splitlines()]
+    assert not any(re.search(r"\bray\b.*\bstop\b|\$RAY\"? stop", line) for line in code), (
+        "use the pid files, not ray stop"
+    )
     bad = subprocess.run(
         [str(script), "sideways"],
         capture_output=True,

@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from raypai.lineage import upstream
-from raypai.tools.parity import differences, lineage_digests, lineage_shape, mlflow_shape, registry_shape
 from raypai.pipelines.toy import toy
 from raypai.runner import Runner, tracker_for
 from raypai.settings import Settings
 from raypai.store import MetadataStore
+from raypai.tools.parity import differences, lineage_digests, lineage_shape, mlflow_shape, registry_shape
 
 _RAYPAI_VARS = (
     "RAYPAI_HOME",
@@ -132,7 +132,7 @@ def _child(settings, result, node: str) -> str:
 def test_artifacts_are_objects_in_the_bucket(runs):
     cfg, env, out = runs
     s3 = _s3(env)
-    (prod, prod_result), (emb, emb_result) = out["production"], out["embedded"]
+    (_, prod_result), (_, emb_result) = out["production"], out["embedded"]
     for node in ("write_text", "transform", "count"):
         art, local = prod_result[node].output(), emb_result[node].output()
         prefix = art.uri.removeprefix(f"s3://{cfg.bucket}/") + "/"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from raypai.tools.cluster import auth_headers, build_wheel, export_clean_tree, runtime_env, wheel_modules
 from raypai.errors import ConfigError
+from raypai.tools.cluster import auth_headers, build_wheel, export_clean_tree, runtime_env, wheel_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,8 +136,8 @@ def test_token_lookup_follows_rays_precedence_and_keeps_the_local_token_local(tm
 
 
 def test_submit_targets_and_an_unreachable_cluster_give_clear_answers(tmp_path, free_port):
-    from raypai.tools.cluster import _client, pipeline_entrypoint
     from raypai.errors import PipelineError
+    from raypai.tools.cluster import _client, pipeline_entrypoint
 
     entry, folder = pipeline_entrypoint(str(ROOT / "pipelines" / "toy.py"), ["n=3"])
     try:

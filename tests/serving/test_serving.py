@@ -281,7 +281,9 @@ def test_schemathesis_finds_no_5xx_in_either_api(stack):
     """Property-based requests generated from both OpenAPI schemas, valid (positive) and invalid
     (negative); half of the router's bodies name the live deployment so generation runs too."""
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings as hsettings, strategies as st
+    from hypothesis import HealthCheck, Phase, given
+    from hypothesis import settings as hsettings
+    from hypothesis import strategies as st
 
     checked = {}
     for base, token in ((f"http://127.0.0.1:{serve_port()}", "infer"), (stack["api"], "deploy")):

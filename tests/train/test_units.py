@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypai.errors import ConfigError, TrainError
-from raypai.train import ModelConfig, PretrainConfig, flops_per_token
-from raypai.train import plan
+from raypai.train import ModelConfig, PretrainConfig, flops_per_token, plan
 from raypai.train._faults import ENV as FAULTS_ENV
 from raypai.train._faults import Faults
 from raypai.train.data import ROW_GROUP_TOKENS, BlockOrder, Prefetcher, TokenShards, load_blocks, read_manifest

@@ -29,13 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
+import tomllib
 import typer
 
 from raypai import exits

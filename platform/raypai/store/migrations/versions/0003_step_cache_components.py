@@ -5,9 +5,8 @@ Revises: 0002
 Create Date: 2026-11-24 10:00:00
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0003_cache_components"
 down_revision = "0002"

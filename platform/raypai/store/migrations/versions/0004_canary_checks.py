@@ -5,9 +5,8 @@ Revises: 0003_cache_components
 Create Date: 2026-11-24 19:00:00
 """
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = "0004_canary_checks"
 down_revision = "0003_cache_components"
