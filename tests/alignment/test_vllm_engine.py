@@ -1,14 +1,28 @@
 """The optional vLLM rollout engine (`rollout_engine="vllm"`, `raypai.alignment.roles._vllm`) with a real
 vLLM: its CPU build, in its own environment (`make test-vllm`), because vLLM pins transformers, fastapi
 and numpy below this project's venv. In the main suite vLLM is absent and this module is skipped;
-the engine's install error is tested there (tests/alignment/test_config.py)."""
+the engine's install error is tested there (tests/alignment/test_config.py). Under `make test-vllm`
+(RAYPAI_REQUIRE_VLLM=1) a vLLM that does not import fails the module instead: a broken install must
+not pass with no test run."""
+
+import os
 
 import pytest
 import torch
 
-vllm = pytest.importorskip(
-    "vllm", reason="vLLM is not installed here: `make test-vllm` runs these with vLLM's CPU build"
-)
+try:
+    import vllm  # noqa: F401
+
+    NO_VLLM = None
+except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError (a missing .so, an ABI clash)
+    NO_VLLM = f"{type(exc).__name__}: {exc}"
+if NO_VLLM and os.environ.get("RAYPAI_REQUIRE_VLLM") == "1":
+    pytest.fail(f"RAYPAI_REQUIRE_VLLM=1 (make test-vllm) but vLLM does not import: {NO_VLLM}", pytrace=False)
+if NO_VLLM:
+    pytest.skip(
+        f"vLLM does not import here ({NO_VLLM}): `make test-vllm` runs these with vLLM's CPU build",
+        allow_module_level=True,
+    )
 
 from raypai.alignment._tensors import token_logprobs  # noqa: E402
 from raypai.alignment.roles.rollout import Rollout  # noqa: E402
