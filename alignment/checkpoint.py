@@ -30,11 +30,12 @@ def save_run(folder: str | Path, *, step: int, rng, policy, rollouts: list, crit
     t0 = time.perf_counter()
     folder, tag = Path(folder), tag_of(step)
     if critic is not None:
-        ray.get(critic.save_checkpoint.remote(str(folder / "critic"), tag))
+        # one more tag kept than the policy's: the critic may be a save ahead of the policy's `latest`
+        ray.get(critic.save_checkpoint.remote(str(folder / "critic"), tag, keep=3, point_latest=False))
     rollout_rng = ray.get([r.rng_state.remote() for r in rollouts])
     ray.get(
         policy.save_checkpoint.remote(
-            str(folder / "policy"), {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}, tag
+            str(folder / "policy"), tag, {"step": step, "rng": rng.getstate(), "rollout_rng": rollout_rng}
         )
     )
     return time.perf_counter() - t0

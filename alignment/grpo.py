@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import asdict
 
 import ray
 
+from raypai.alignment._driver import Run, rl_inputs
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -40,12 +40,10 @@ from raypai.alignment._loop import (
 from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
-from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
-from raypai.alignment.placement import Placement, RoleSpec
-from raypai.alignment.rewards import resolve
-from raypai.alignment.roles import PolicyTrainer, Reference, Reward, Rollout
+from raypai.alignment.losses.objectives import GRPO
+from raypai.alignment.placement import RoleSpec
+from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
 from raypai.alignment.sync import start_sync, sync_weights, wait_loads
-from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
 
@@ -69,26 +67,17 @@ def run_grpo(
     `cfg.reward_model_weight` when `reward_model_dir` is given. Returns the summary (held-out reward
     of greedy completions before/after, samples/s and time split); the aligned policy is written to
     `out_dir` as an HF folder with `raypai.json`."""
-    cfg = cfg.validate()
-    check_causal_lm(model_dir)
-    reward_fns = resolve(rewards)
-    use_rm = bool(reward_model_dir and cfg.reward_model_weight)
-    if not reward_fns and not use_rm:
-        raise ConfigError(
-            [
-                "GRPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
-                "model with reward_model_weight > 0"
-            ],
-            what="GRPO inputs",
-        )
-    if not train or not held_out:
-        raise ConfigError(
-            [f"GRPO needs training and held-out prompts (got {len(train)} and {len(held_out)})"], what="GRPO inputs"
-        )
-    fmt, trunc = format_and_limit(model_dir, cfg)
-    check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
-    check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
-    pad_id = fmt.tok.pad_token_id
+    inputs = rl_inputs(
+        "GRPO",
+        model_dir,
+        cfg,
+        train,
+        held_out,
+        rewards=rewards,
+        reward_model_dir=reward_model_dir,
+        reward_model_weight=cfg.reward_model_weight,
+    )
+    use_rm, pad_id = inputs.use_rm, inputs.pad_id
     # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
     # queried, beta > 0) the rest; the reward stays on CPUs
     g = cfg.gpus
@@ -110,14 +99,21 @@ def run_grpo(
     shared = (
         max(1, min(round(sum(r.cpus * r.replicas for r in specs.values())), os.cpu_count() or 1)) if colocate else 1
     )
-    place = Placement(run_name, specs, colocate=colocate)
-    try:
+    objective = GRPO(
+        group_size=cfg.group_size,
+        clip_eps=cfg.clip_eps,
+        clip_eps_high=cfg.clip_eps_high,
+        beta=cfg.beta,
+        aggregation=cfg.aggregation,
+        max_new_tokens=cfg.max_new_tokens,
+    )
+    with Run(run_name, specs, colocate=colocate, logger=logger) as run:
         # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
         # (on a GPU the replicas take each update as a bf16 copy through host shared memory)
-        [policy] = place.place(
+        [policy] = run.place(
             "policy",
-            PolicyTrainer,
+            Trainer,
             model_dir,
             cfg.lr,
             cfg.zero_stage,
@@ -127,7 +123,7 @@ def run_grpo(
             device=device["policy"],
             sync_dtype="bfloat16" if g else None,
         )
-        rollouts = place.place(
+        rollouts = run.place(
             "rollout",
             Rollout,
             model_dir,
@@ -138,9 +134,9 @@ def run_grpo(
             gpu_share=specs["rollout"].gpus,
             per_replica=lambda i: {"seed": cfg.seed + i},
         )  # replicas draw different samples
-        [reference] = place.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
-        [reward] = place.place(
-            "reward", Reward, reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
+        [reference] = run.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
+        [reward] = run.place(
+            "reward", Reward, inputs.reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
         )
         rng = random.Random(cfg.seed)
         start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts) if checkpoint_dir else 0
@@ -206,18 +202,6 @@ def run_grpo(
             )
             done_at = time.perf_counter()  # evaluation, checkpoint and logging are not a step's time
 
-        # what the update needs besides the samples (`PolicyTrainer.grpo_step_on`), the same every step
-        batch_args = {
-            "pad_id": pad_id,
-            "group_size": cfg.group_size,
-            "step": {
-                "clip_eps": cfg.clip_eps,
-                "clip_eps_high": cfg.clip_eps_high,
-                "beta": cfg.beta,
-                "aggregation": cfg.aggregation,
-                "max_len": cfg.max_new_tokens,
-            },
-        }
         for step in range(start + 1, cfg.steps + 1):
             t, offload = Sections(), {}
             s = None
@@ -249,13 +233,15 @@ def run_grpo(
                 old_lp = rollouts[0].logprobs.remote(s.batch) if cfg.inner_iterations > 1 else None
             with t("time_reference"):
                 ref_lp, old_lp = (ray.get(x) if isinstance(x, ray.ObjectRef) else x for x in (ref_lp, old_lp))
-            sampled = {"rows": now.rows, **batch_args}
+            sampled = {"rows": now.rows, "pad_id": pad_id}
             # queued on the trainer (it runs its calls in order), then the sync queued on every
             # replica: each loads the new weights after the work already submitted to it (async: the
             # generation in flight) and before the next generation
             with t("time_train"):
                 for _ in range(cfg.inner_iterations):
-                    update = policy.grpo_step_on.remote(scored, sampled, *now.refs, old_lp=old_lp, ref_lp=ref_lp)
+                    update = policy.update_on.remote(
+                        objective, scored, sampled, *now.refs, old_lp=old_lp, ref_lp=ref_lp
+                    )
             with t("time_sync"):
                 loads = start_sync(policy, rollouts)
             # while they work: the samples and their rewards, for the metrics
@@ -286,13 +272,4 @@ def run_grpo(
             **mean_of(history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)),
             "sync_bytes": history[-1]["sync_bytes"] if history else 0,
         }
-        ray.get(
-            policy.export.remote(
-                out_dir, {"algorithm": "grpo", "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
-            )
-        )
-    finally:
-        place.shutdown()
-    if logger is not None:
-        logger.log_metrics(summary)
-    return summary
+        return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)

@@ -15,10 +15,10 @@ trainers compute the advantages and returns themselves); it waits only for the m
 from __future__ import annotations
 
 import random
-from dataclasses import asdict
 
 import ray
 
+from raypai.alignment._driver import Run, rl_inputs
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -36,12 +36,10 @@ from raypai.alignment.checkpoint import load_run, save_run
 from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import masked_mean
-from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
-from raypai.alignment.placement import Placement, RoleSpec
-from raypai.alignment.rewards import resolve
-from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
+from raypai.alignment.losses.objectives import PPOPolicy, PPOValue
+from raypai.alignment.placement import RoleSpec
+from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
 from raypai.alignment.sync import start_sync, sync_weights, wait_loads
-from raypai.errors import ConfigError
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
 
@@ -63,22 +61,17 @@ def run_ppo(
     """`train`/`held_out`: PromptExample lists; `rewards` as in run_grpo. Returns the summary
     (held-out reward before/after, mean losses and time split); the aligned policy is written to
     `out_dir`. The critic starts from the reward model when given."""
-    cfg = cfg.validate()
-    check_causal_lm(model_dir)
-    reward_fns = resolve(rewards)
-    use_rm = bool(reward_model_dir and cfg.reward_model_weight)
-    if not reward_fns and not use_rm:
-        raise ConfigError(
-            [
-                "PPO needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) and/or a reward "
-                "model with reward_model_weight > 0"
-            ],
-            what="PPO inputs",
-        )
-    fmt, trunc = format_and_limit(model_dir, cfg)
-    check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
-    check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
-    pad_id = fmt.tok.pad_token_id
+    inputs = rl_inputs(
+        "PPO",
+        model_dir,
+        cfg,
+        train,
+        held_out,
+        rewards=rewards,
+        reward_model_dir=reward_model_dir,
+        reward_model_weight=cfg.reward_model_weight,
+    )
+    use_rm, pad_id = inputs.use_rm, inputs.pad_id
     g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
     specs = {
         "policy": RoleSpec(cpus=1, gpus=0.4 * g),
@@ -89,13 +82,17 @@ def run_ppo(
     }
     device = "cuda" if g else "cpu"
     # the roles take turns on one GPU, so they share a bundle there; on CPUs each keeps its own
-    place = Placement(run_name, specs, colocate=(tuple(specs),) if g else ())
-    try:
+    targets = {"kl_coef": cfg.kl_coef, "gamma": cfg.gamma, "lam": cfg.lam}
+    policy_objective, value_objective = (
+        PPOPolicy(clip_eps=cfg.clip_eps, **targets),
+        PPOValue(clip=cfg.value_clip, **targets),
+    )
+    with Run(run_name, specs, colocate=(tuple(specs),) if g else (), logger=logger) as run:
         # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
         # on a GPU, a bf16 copy through host shared memory)
-        [policy] = place.place(
+        [policy] = run.place(
             "policy",
-            PolicyTrainer,
+            Trainer,
             model_dir,
             cfg.lr,
             cfg.zero_stage,
@@ -104,10 +101,17 @@ def run_ppo(
             device=device,
             sync_dtype="bfloat16" if g else None,
         )
-        [critic] = place.place(
-            "critic", Critic, reward_model_dir or model_dir, cfg.critic_lr, cfg.zero_stage, cfg.seed, device=device
-        )
-        rollouts = place.place(
+        [critic] = run.place(
+            "critic",
+            Trainer,
+            reward_model_dir or model_dir,
+            cfg.critic_lr,
+            cfg.zero_stage,
+            cfg.seed,
+            head="token_value",
+            device=device,
+        )  # a scalar per position; from the reward model, its score head carries over
+        rollouts = run.place(
             "rollout",
             Rollout,
             model_dir,
@@ -117,9 +121,9 @@ def run_ppo(
             gpu_share=specs["rollout"].gpus,
             per_replica=lambda i: {"seed": cfg.seed + i},
         )  # replicas draw different samples
-        [reference] = place.place("reference", Reference, model_dir, device=device)
-        [reward] = place.place(
-            "reward", Reward, reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
+        [reference] = run.place("reference", Reference, model_dir, device=device)
+        [reward] = run.place(
+            "reward", Reward, inputs.reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
         )
         rng = random.Random(cfg.seed)
         start = (
@@ -130,7 +134,6 @@ def run_ppo(
             print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
-        targets = {"kl_coef": cfg.kl_coef, "gamma": cfg.gamma, "lam": cfg.lam}
         for step in range(start + 1, cfg.steps + 1):
             t = Sections()
             with asleep([policy, critic], on_gpu=bool(g)) as offload:
@@ -156,11 +159,11 @@ def run_ppo(
                 reference.logprobs_on.remote(on, *now.refs),
                 critic.values_on.remote(on, *now.refs),
             )
-            inputs = (scored, old_lp, ref_lp, values, on, *now.refs)
+            handed = (scored, old_lp, ref_lp, values, on, *now.refs)
             updates = [
                 [
-                    policy.ppo_step_on.remote(*inputs, targets=targets, clip_eps=cfg.clip_eps),
-                    critic.train_step_on.remote(*inputs, targets=targets, clip=cfg.value_clip),
+                    policy.update_on.remote(policy_objective, *handed),
+                    critic.update_on.remote(value_objective, *handed),
                 ]
                 for _ in range(cfg.ppo_epochs)
             ]  # each trainer runs its epochs in turn
@@ -181,8 +184,12 @@ def run_ppo(
                 "reward_mean": score.mean().item(),
                 "reward_std": score.std().item(),
                 "kl": masked_mean(old - ref, mask).item(),
-                **pm,
-                **vm,
+                "policy_loss": pm["loss"],
+                "clip_fraction": pm["clip_fraction"],
+                "entropy": pm["entropy"],
+                "grad_norm": pm["grad_norm"],
+                "value_loss": vm["loss"],
+                "value_grad_norm": vm["grad_norm"],
                 "response_length": response_length(s.batch),
                 "sync_seconds": t.seconds["time_sync"],
                 "sync_bytes": sizes[0] if sizes else 0,
@@ -215,13 +222,4 @@ def run_ppo(
             "samples_per_s": throughput(history),
             **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES)),
         }
-        ray.get(
-            policy.export.remote(
-                out_dir, {"algorithm": "ppo", "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
-            )
-        )
-    finally:
-        place.shutdown()
-    if logger is not None:
-        logger.log_metrics(summary)
-    return summary
+        return run.finish(policy, out_dir, "ppo", cfg, summary, lineage)

@@ -1,5 +1,5 @@
 """Reward model: a scalar head (AutoModelForSequenceClassification) on any causal-LM backbone,
-trained on preference pairs with the Bradley–Terry loss.
+trained on preference pairs with the Bradley–Terry loss by a `Trainer` role (DeepSpeed, GPU or CPU).
 
     from raypai.alignment import RewardModelConfig, train_reward_model
     from raypai.alignment.data import load, split
@@ -12,50 +12,27 @@ from __future__ import annotations
 import random
 
 import ray
-import torch
 
-from raypai.alignment._tensors import encode_pairs
+from raypai.alignment._driver import Run
+from raypai.alignment._tensors import encode_pairs, select_rows
 from raypai.alignment.config import RewardModelConfig
-from raypai.alignment.losses import bradley_terry_loss
+from raypai.alignment.losses.objectives import BradleyTerry
 from raypai.alignment.models import check_causal_lm, format_and_limit
+from raypai.alignment.placement import RoleSpec
+from raypai.alignment.roles import Trainer
+
+# Steps per call to the trainer: a call's own cost in Ray is paid once for several small steps.
+STEPS_PER_CALL = 10
 
 
-def _scores(model, batch):
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-
-
-def _accuracy(model, fmt, pairs, trunc) -> float:
-    with torch.no_grad():
-        c, r = encode_pairs(fmt, pairs, trunc)
-        return (_scores(model, c) > _scores(model, r)).float().mean().item()
-
-
-def _train(model_dir: str, out_dir: str, pairs: list, eval_pairs: list, cfg: RewardModelConfig, logger) -> dict:
-    from transformers import AutoModelForSequenceClassification
-
-    from raypai.chat import copy_tokenizer_files
-
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-    fmt, trunc = format_and_limit(model_dir, cfg)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
-    model.config.pad_token_id = fmt.tok.pad_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    before = _accuracy(model.eval(), fmt, eval_pairs, trunc)
-    rng = random.Random(cfg.seed)
-    model.train()
-    for step in range(1, cfg.steps + 1):
-        c, r = encode_pairs(fmt, [rng.choice(pairs) for _ in range(cfg.batch_size)], trunc)
-        loss, acc = bradley_terry_loss(_scores(model, c), _scores(model, r), cfg.margin)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if logger is not None and step % 10 == 0:
-            logger.log_metrics({"rm/loss": loss.item(), "rm/train_accuracy": acc.item()}, step=step)
-    after = _accuracy(model.eval(), fmt, eval_pairs, trunc)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    copy_tokenizer_files(model_dir, out_dir)
-    return {"rm_eval_accuracy_before": before, "rm_eval_accuracy": after}
+def pair_accuracy(trainer, chosen: dict, rejected: dict, chunk: int = 64) -> float:
+    """Share of pairs whose chosen completion the model scores above the rejected one."""
+    wins, n = 0, len(chosen["input_ids"])
+    for i in range(0, n, chunk):
+        rows = list(range(i, min(i + chunk, n)))
+        c, r = ray.get([trainer.scores.remote(select_rows(b, rows)) for b in (chosen, rejected)])
+        wins += int((c > r).sum())
+    return wins / n
 
 
 def train_reward_model(
@@ -67,15 +44,36 @@ def train_reward_model(
     *,
     run_name: str = "reward_model",
     logger=None,
+    lineage: dict | None = None,
 ) -> dict:
-    """`pairs`/`eval_pairs`: PreferenceExample lists. Returns held-out pair accuracy before/after."""
-    cfg = cfg.validate()
+    """`pairs`/`eval_pairs`: PreferenceExample lists. Returns held-out pair accuracy before/after; the
+    reward model is written to `out_dir` as an HF folder (with the backbone's tokenizer)."""
     check_causal_lm(model_dir, "reward model backbone")
     fmt, trunc = format_and_limit(model_dir, cfg)
-    encode_pairs(fmt, pairs, trunc, "training pair")  # bad or over-long pairs fail here, before the actor starts
-    encode_pairs(fmt, eval_pairs, trunc, "held-out pair")
-    task = ray.remote(_train).options(name=f"{run_name}/reward-trainer", num_cpus=1)
-    metrics = ray.get(task.remote(model_dir, out_dir, pairs, eval_pairs, cfg, logger))
-    if logger is not None:
-        logger.log_metrics(metrics)
-    return metrics
+    train_c, train_r = encode_pairs(fmt, pairs, trunc, "training pair")  # bad or over-long pairs fail here
+    eval_c, eval_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")
+    objective = BradleyTerry(margin=cfg.margin)
+    gpus = getattr(cfg, "gpus", 0.0)
+    with Run(run_name, {"reward-trainer": RoleSpec(cpus=1, gpus=gpus)}, logger=logger) as run:
+        [rm] = run.place(
+            "reward-trainer",
+            Trainer,
+            model_dir,
+            cfg.lr,
+            getattr(cfg, "zero_stage", 0),
+            cfg.seed,
+            head="score",
+            device="cuda" if gpus else "cpu",
+        )
+        before = pair_accuracy(rm, eval_c, eval_r)
+        ray.get(rm.hold.remote("pairs", (train_c, train_r)))  # steps name their rows
+        rng = random.Random(cfg.seed)
+        steps = list(range(1, cfg.steps + 1))
+        for i in range(0, len(steps), STEPS_PER_CALL):
+            call = steps[i : i + STEPS_PER_CALL]
+            rows = [[rng.randrange(len(pairs)) for _ in range(cfg.batch_size)] for _ in call]
+            for step, m in zip(call, ray.get(rm.updates.remote(objective, rows))):
+                if logger is not None and step % 10 == 0:
+                    logger.log_metrics({"rm/loss": m["loss"], "rm/train_accuracy": m["train_accuracy"]}, step=step)
+        metrics = {"rm_eval_accuracy_before": before, "rm_eval_accuracy": pair_accuracy(rm, eval_c, eval_r)}
+        return run.finish(rm, out_dir, "reward_model", cfg, metrics, lineage)

@@ -10,16 +10,17 @@ counts completion / assistant tokens only.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict
 
 import ray
 import torch
 
+from raypai.alignment._driver import Run
 from raypai.alignment._tensors import batch_of, encode_all
 from raypai.alignment.config import SFTConfig
+from raypai.alignment.losses.objectives import SFT
 from raypai.alignment.models import check_causal_lm, format_and_limit
-from raypai.alignment.placement import Placement, RoleSpec
-from raypai.alignment.roles import PolicyTrainer
+from raypai.alignment.placement import RoleSpec
+from raypai.alignment.roles import Trainer
 from raypai.errors import DataError
 
 
@@ -56,7 +57,6 @@ def run_sft(
     """Trains on `train` (SFTExample list), reports the held-out response NLL before/after and writes
     the model to `out_dir`. `ptx_blocks` ((N, T) int array of pretraining token blocks) with
     `cfg.ptx_coef` > 0 mixes their LM loss into every step."""
-    cfg = cfg.validate()
     check_causal_lm(model_dir)
     fmt, trunc = format_and_limit(model_dir, cfg)
     if not train or not held_out:
@@ -64,11 +64,11 @@ def run_sft(
     enc_train = encode_all(fmt, train, trunc, "training")  # every example checked before any actor starts
     enc_eval = encode_all(fmt, held_out, trunc, "held-out")
     pad_id = fmt.tok.pad_token_id
-    place = Placement(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)})
-    try:
-        [policy] = place.place(
+    objective = SFT(ptx_coef=cfg.ptx_coef)
+    with Run(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)}, logger=logger) as run:
+        [policy] = run.place(
             "policy",
-            PolicyTrainer,
+            Trainer,
             model_dir,
             cfg.lr,
             cfg.zero_stage,
@@ -85,7 +85,7 @@ def run_sft(
                 ptx = torch.as_tensor(
                     ptx_blocks[[rng.randrange(len(ptx_blocks)) for _ in range(cfg.batch_size)]], dtype=torch.long
                 )
-            m = ray.get(policy.sft_step.remote(batch, ptx, cfg.ptx_coef))
+            m = ray.get(policy.update.remote(objective, objective.assemble(batch, ptx)))
             if logger is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 logger.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
         after = eval_loss(policy, enc_eval, pad_id)
@@ -96,13 +96,4 @@ def run_sft(
             "eval_examples": len(held_out),
             "truncated": trunc.truncated,
         }
-        ray.get(
-            policy.export.remote(
-                out_dir, {"algorithm": "sft", "config": asdict(cfg), "metrics": metrics, "lineage": lineage or {}}
-            )
-        )
-    finally:
-        place.shutdown()
-    if logger is not None:
-        logger.log_metrics(metrics)
-    return metrics
+        return run.finish(policy, out_dir, "sft", cfg, metrics, lineage)

@@ -660,9 +660,10 @@ def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.losses.objectives import GRPO
     from raypai.alignment.roles.reference import Reference
     from raypai.alignment.roles.rollout import Rollout
+    from raypai.alignment.roles.trainer import Trainer
     from raypai.alignment.tasks.tiny import build_tiny_model
 
     folder = build_tiny_model(Path(tempfile.mkdtemp()) / "m", family="qwen2")  # a ChatML tokenizer
@@ -672,7 +673,8 @@ def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
         setattr(big.config, k, getattr(tok_cfg, k, None))
     big.save_pretrained(folder)
     del big
-    policy = PolicyTrainer(folder, 1e-6, device="cuda", sync_dtype="bfloat16")
+    policy = Trainer(folder, 1e-6, device="cuda", sync_dtype="bfloat16")
+    objective = GRPO(group_size=8, aggregation="dapo", max_new_tokens=new_tokens)
     rollout = Rollout(folder, device="cuda")
     reference = Reference(folder, device="cuda")
     prompts = [f"{a}+{b}=" for a, b in zip(range(10, 18), range(30, 38))]
@@ -700,7 +702,7 @@ def check_roles(steps: int = 4, new_tokens: int = 128) -> None:
         ref, r["reference_s"] = timed(lambda: reference.logprobs(out["batch"]))
         adv = torch.randn(64)
         m, r["train_s"] = timed(
-            lambda: policy.grpo_step(out["batch"], None, ref, adv, 0.2, None, 0.0, "dapo", new_tokens)
+            lambda: policy.update(objective, {"seq": out["batch"], "advantages": adv, "old_lp": None, "ref_lp": ref})
         )
         r["tokens"] = int(out["batch"]["response_mask"].sum())
         r["grad_norm"] = round(m["grad_norm"], 4)

@@ -75,9 +75,15 @@ def clipped_value_loss(
 ) -> torch.Tensor:
     """½·max((V − R)², (V_old + clip(V − V_old, ±c) − R)²), token-mean over the mask (the value
     clipping of OpenAI baselines' PPO2, used by InstructGPT-style RLHF)."""
+    return masked_mean(clipped_value_terms(values, old_values, returns, clip), mask)
+
+
+def clipped_value_terms(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float = 0.2
+) -> torch.Tensor:
+    """(B, T) per-token terms of `clipped_value_loss`, before the token-mean."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
-    return masked_mean(loss, mask)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
 
 
 def ppo_targets(

@@ -1,4 +1,5 @@
-"""Role actors: thin shells that build a model/engine and call pure functions.
+"""Role actors: thin shells that build a model/engine and call pure functions. `Trainer` is every
+trained model (policy, critic, reward model), updated with an objective from `losses/`.
 
 The names below load on first use (PEP 562): a role's process imports its own module only, so the
 Reward actor of plain Python reward functions does not import torch."""
@@ -8,11 +9,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Critic": "critic",
-    "PolicyTrainer": "policy",
     "Reference": "reference",
     "Reward": "reward",
     "Rollout": "rollout",
+    "Trainer": "trainer",
 }
 __all__ = list(_EXPORTS)
 

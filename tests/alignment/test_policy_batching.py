@@ -3,6 +3,12 @@
 import torch
 
 from raypai.alignment._tensors import pad, sequence_logprob, stack_right_padded, token_logprobs
+from raypai.alignment.losses.objectives import DPO, SFT, OnlineDPO, PPOPolicy, PPOValue
+
+
+def _same(m: dict) -> dict:
+    """An update's metrics less its own timing (`update_seconds`), which differs between two equal updates."""
+    return {k: v for k, v in m.items() if k != "update_seconds"}
 
 
 def test_stacked_chosen_and_rejected_match_separate_forwards(tiny_model):
@@ -52,7 +58,7 @@ def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
     """Offline DPO hands the trainer its pairs once and names rows per step: the same update as
     shipping the rows' tensors; several steps in one call are the same steps."""
     from raypai.alignment._tensors import select_rows
-    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.trainer import Trainer as PolicyTrainer
 
     g = torch.Generator().manual_seed(2)
 
@@ -63,18 +69,21 @@ def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
     chosen, rejected = side([2, 5, 3, 4]), side([4, 1, 6, 2])
     ref_c, ref_r = -torch.rand(4) * 10, -torch.rand(4) * 10
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
-    assert b.hold_pairs(chosen, rejected, ref_c, ref_r) == 4
+    assert b.hold("pairs", (chosen, rejected, ref_c, ref_r)) == 4
     c = PolicyTrainer(tiny_model, 1e-3, seed=0)
-    c.hold_pairs(chosen, rejected, ref_c, ref_r)
+    c.hold("pairs", (chosen, rejected, ref_c, ref_r))
+    dpo = DPO(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     steps, one_by_one = ([2, 0], [1, 3, 3], [0]), []
     for idx in steps:
         t = torch.tensor(idx)
-        shipped = a.dpo_step(select_rows(chosen, t), select_rows(rejected, t), ref_c[t], ref_r[t], 0.1, "sigmoid", 0.0)
-        held = b.dpo_step_held(idx, 0.1, "sigmoid", 0.0)
+        shipped = _same(
+            a.update(dpo, dpo.assemble(select_rows(chosen, t), select_rows(rejected, t), ref_c[t], ref_r[t]))
+        )
+        held = _same(b.update_on(dpo, idx))
         assert shipped == held
         one_by_one.append(held)
     # several steps in one call: the same steps, in order
-    assert c.dpo_steps_held(list(steps), 0.1, "sigmoid", 0.0) == one_by_one
+    assert [_same(m) for m in c.updates(dpo, list(steps))] == one_by_one
     for p, q in zip(b.engine.module.parameters(), c.engine.module.parameters()):
         assert torch.equal(p, q)
     for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()):
@@ -90,7 +99,7 @@ def test_a_step_on_held_pairs_equals_one_on_shipped_pairs(tiny_model):
 def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model):
     """A step leaves an unchanged mode alone (walking every submodule each step cost 3 % of a DPO
     step); every switch still reaches every submodule."""
-    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.trainer import Trainer as PolicyTrainer
 
     g = torch.Generator().manual_seed(3)
     seqs = [list(range(3, 9)) + torch.randint(3, 200, (n,), generator=g).tolist() for n in (2, 4)]
@@ -101,15 +110,15 @@ def test_the_trainer_switches_every_submodule_between_train_and_eval(tiny_model)
         return {m.training for m in trainer.engine.module.modules()}
 
     assert modes() == {False}  # from_pretrained gives an eval-mode model
-    trainer.sft_step(batch)
+    trainer.update(SFT(), SFT().assemble(batch))
     assert modes() == {True}
-    trainer.sft_step(batch)
+    trainer.update(SFT(), SFT().assemble(batch))
     assert modes() == {True}
     trainer.logprobs(batch)
     assert modes() == {False}
     before = [p.detach().clone() for p in trainer.engine.module.parameters()]
     other = pad([s[:6] + [7, 8, 9][:n] for s, n in zip(seqs, (3, 1))], [[0] * 6 + [1] * n for n in (3, 1)], 0)
-    trainer.dpo_step(batch, other, torch.zeros(2), torch.zeros(2), 0.1, "sigmoid", 0.0)
+    trainer.update(DPO(), DPO().assemble(batch, other, torch.zeros(2), torch.zeros(2)))
     assert modes() == {True}
     # the step moved the weights and left no gradient behind (the stage-0 zero_grad over a list)
     params = list(trainer.engine.module.parameters())
@@ -133,8 +142,8 @@ def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny
     of the pairs and the trainer's update equal those on pairs built by hand."""
     from raypai.alignment._loop import ranked_pairs
     from raypai.alignment._tensors import select_rows
-    from raypai.alignment.roles.policy import PolicyTrainer
     from raypai.alignment.roles.reference import Reference
+    from raypai.alignment.roles.trainer import Trainer as PolicyTrainer
 
     g = torch.Generator().manual_seed(4)
     prompts = [list(range(3, 8)), list(range(10, 14)), list(range(20, 26))]
@@ -163,16 +172,13 @@ def test_online_dpo_pairs_are_taken_from_the_samples_as_ray_hands_them_over(tiny
     assert ref.pair_logprobs_on({"total": [1.0] * 9}, sampled, *outs) is None
 
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
-    by_hand = a.dpo_step(chosen, rejected, ref_c, ref_r, 0.1, "sigmoid", 0.0)
-    handed = b.online_dpo_step_on(
-        scores, (ref_c, ref_r), sampled, *outs, beta=0.1, loss_type="sigmoid", label_smoothing=0.0
-    )
+    dpo = DPO(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
+    by_hand = _same(a.update(dpo, dpo.assemble(chosen, rejected, ref_c, ref_r)))
+    handed = _same(b.update_on(OnlineDPO(dpo), scores, (ref_c, ref_r), sampled, *outs))
     assert handed == {**by_hand, "pairs": 2}
     assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
     before = [p.detach().clone() for p in b.engine.module.parameters()]
-    assert b.online_dpo_step_on(
-        {"total": [1.0] * 9}, None, sampled, *outs, beta=0.1, loss_type="sigmoid", label_smoothing=0.0
-    ) == {"pairs": 0}
+    assert b.update_on(OnlineDPO(dpo), {"total": [1.0] * 9}, None, sampled, *outs) == {"skipped": 1.0}
     assert all(torch.equal(p, q) for p, q in zip(before, b.engine.module.parameters()))  # no update
 
 
@@ -181,8 +187,13 @@ def test_ppo_steps_on_a_handed_over_generation_equal_the_steps_on_driver_made_ta
     advantages (policy) and returns (critic) themselves: the same updates as on targets computed
     from the padded batch in one place; the replicas' rows are put back in the samples' order."""
     from raypai.alignment.losses import gae, kl_penalized_rewards, masked_whiten
-    from raypai.alignment.roles.critic import Critic
-    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.trainer import Trainer
+
+    def PolicyTrainer(*args, **kwargs):
+        return Trainer(*args, **kwargs)
+
+    def Critic(*args, **kwargs):
+        return Trainer(*args, head="token_value", **kwargs)
 
     g = torch.Generator().manual_seed(5)
     seqs = [
@@ -205,19 +216,20 @@ def test_ppo_steps_on_a_handed_over_generation_equal_the_steps_on_driver_made_ta
     sampled = {"rows": order, "pad_id": 0}
 
     a, b = PolicyTrainer(tiny_model, 1e-3, seed=0), PolicyTrainer(tiny_model, 1e-3, seed=0)
-    assert a.ppo_step(batch, old_lp, adv, 0.2) == b.ppo_step_on(
-        scores, old_lp, ref_lp, values, sampled, *outs, targets=targets, clip_eps=0.2
+    policy_objective, value_objective = PPOPolicy(clip_eps=0.2, **targets), PPOValue(clip=0.2, **targets)
+    assert _same(a.update(policy_objective, {"seq": batch, "old_lp": old_lp, "advantages": adv})) == _same(
+        b.update_on(policy_objective, scores, old_lp, ref_lp, values, sampled, *outs)
     )
     assert all(torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), b.engine.module.parameters()))
     c, d = Critic(tiny_model, 1e-3, seed=0), Critic(tiny_model, 1e-3, seed=0)
     assert torch.equal(c.values(batch), d.values_on(sampled, *outs))
-    assert c.train_step(batch, values, returns, 0.2) == d.train_step_on(
-        scores, old_lp, ref_lp, values, sampled, *outs, targets=targets, clip=0.2
+    assert _same(c.update(value_objective, {"seq": batch, "old_values": values, "returns": returns})) == _same(
+        d.update_on(value_objective, scores, old_lp, ref_lp, values, sampled, *outs)
     )
     assert all(torch.equal(p, q) for p, q in zip(c.engine.module.parameters(), d.engine.module.parameters()))
     # a different order of the samples is a different batch: the update differs (the test can fail)
     e = PolicyTrainer(tiny_model, 1e-3, seed=0)
-    e.ppo_step_on(scores, old_lp, ref_lp, values, {"rows": None, "pad_id": 0}, *outs, targets=targets, clip_eps=0.2)
+    e.update_on(policy_objective, scores, old_lp, ref_lp, values, {"rows": None, "pad_id": 0}, *outs)
     assert any(not torch.equal(p, q) for p, q in zip(a.engine.module.parameters(), e.engine.module.parameters()))
 
 
@@ -227,8 +239,7 @@ def test_rl_trainers_train_without_dropout_so_training_and_sampling_see_the_same
     eval-mode ones its samples, the reference and the rollout-time values were computed with. RL
     trainers turn it off; SFT (`dropout=True`) keeps the model's own, and there the two differ."""
     from raypai.alignment.roles._engine import set_mode
-    from raypai.alignment.roles.critic import Critic
-    from raypai.alignment.roles.policy import PolicyTrainer
+    from raypai.alignment.roles.trainer import Trainer as PolicyTrainer
     from raypai.alignment.tasks.tiny import build_tiny_model
 
     gpt2 = build_tiny_model(tmp_path / "gpt2", family="gpt2")
@@ -240,14 +251,14 @@ def test_rl_trainers_train_without_dropout_so_training_and_sampling_see_the_same
     def train_vs_eval(trainer):
         set_mode(trainer.engine, True)
         with torch.no_grad():
-            training = trainer._lp(batch, m)
+            training = trainer._forward.logprobs(batch, m)
         return training, trainer.logprobs(batch)
 
     assert torch.allclose(*train_vs_eval(PolicyTrainer(gpt2, 1e-3)), atol=1e-6)
     kept = train_vs_eval(PolicyTrainer(gpt2, 1e-3, dropout=True))
     assert not torch.allclose(*kept, atol=1e-3)  # SFT's trainer: dropout on in training mode
-    critic = Critic(gpt2, 1e-3)
+    critic = PolicyTrainer(gpt2, 1e-3, head="token_value")
     set_mode(critic.engine, True)
     with torch.no_grad():
-        training = critic._values(batch)
+        training = critic._forward.values(batch)
     assert torch.allclose(training, critic.values(batch), atol=1e-6)

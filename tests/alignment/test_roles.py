@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from raypai.alignment._loop import asleep
 from raypai.alignment._tensors import encode_sft
 from raypai.alignment.data import sft_examples
+from raypai.alignment.losses.objectives import SFT, PPOPolicy, PPOValue
 from raypai.alignment.placement import Placement, RoleSpec
-from raypai.alignment.roles import Critic, PolicyTrainer, Reference, Reward, Rollout
+from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
 from raypai.alignment.sync import start_sync, sync_weights, wait_loads
 from raypai.alignment.tasks import arithmetic as ar
 from raypai.chat import ChatFormat
@@ -38,11 +39,11 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         },
     )
     try:
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-2)
         [rollout] = place.place("rollout", Rollout, tiny_model)
         [reference] = place.place("reference", Reference, tiny_model)
         [reward] = place.place("reward", Reward, [(ar.exact_match_reward, 1.0), (length_bonus, 0.1)])
-        [critic] = place.place("critic", Critic, tiny_model, 1e-3)
+        [critic] = place.place("critic", Trainer, tiny_model, 1e-3, head="token_value")
         tok = AutoTokenizer.from_pretrained(tiny_model)
         batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
         ray.get([a.__ray_ready__.remote() for a in (policy, rollout, reference, reward, critic)])
@@ -54,7 +55,7 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         assert set(names) == {f"roles-test/{r}-0" for r in ("policy", "rollout", "reference", "reward", "critic")}
         assert len(set(names.values())) == 5  # five processes
 
-        ray.get(policy.sft_step.remote(batch))  # the trainer moves away from the rollout's weights
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))  # the trainer moves away from the rollout's weights
         before = ray.get(rollout.logprobs.remote(batch))
         trained = ray.get(policy.logprobs.remote(batch))
         assert not torch.allclose(before, trained)
@@ -64,7 +65,7 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         assert stats["sync_bytes"] > 100_000 and stats["sync_seconds"] > 0
 
         # same node: through shared memory, exact, and the buffer's file is gone once the replica mapped it
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         trained = ray.get(policy.logprobs.remote(batch))
         shm = sync_weights(policy, [rollout])
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
@@ -93,9 +94,13 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         values = ray.get(critic.values.remote(batch))
         assert values.shape == batch["response_mask"].shape
         returns = torch.ones_like(values)
-        first = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
+        first = ray.get(
+            critic.update.remote(PPOValue(clip=10.0), {"seq": batch, "old_values": values, "returns": returns})
+        )["loss"]
         for _ in range(5):
-            last = ray.get(critic.train_step.remote(batch, values, returns, 10.0))["value_loss"]
+            last = ray.get(
+                critic.update.remote(PPOValue(clip=10.0), {"seq": batch, "old_values": values, "returns": returns})
+            )["loss"]
         assert last < first  # the value head regresses toward the returns
     finally:
         place.shutdown()
@@ -108,17 +113,17 @@ def test_a_sync_queued_behind_a_busy_replica_is_not_overtaken_by_the_next_one(ra
     than the one it was sent and refuse it (this failed a CI run on a loaded machine)."""
     place = Placement("sync-order", {"policy": RoleSpec(1), "rollout": RoleSpec(0.5)})
     try:
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-2)
         [rollout] = place.place("rollout", Rollout, tiny_model)
         batch = encode_sft(
             ChatFormat(AutoTokenizer.from_pretrained(tiny_model)),
             sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])),
         )
         sync_weights(policy, [rollout])  # the first round (it maps the buffer)
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         busy = rollout.__ray_call__.remote(lambda self: time.sleep(2))  # the generation in flight
         first = start_sync(policy, [rollout])  # version 1, loaded once the replica is free
-        ray.get(policy.sft_step.remote(batch))  # the next update, done while the replica is still busy
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))  # the next update, done while the replica is still busy
         second = start_sync(policy, [rollout])  # version 2
         assert ray.wait([busy], timeout=0)[1], "the replica was to be busy until now"
         ray.get(busy)
@@ -162,14 +167,19 @@ def test_every_zero_stage_reports_the_gradient_norm_and_clips_to_the_limit(ray_a
     by_hand = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     assert by_hand > 1.5  # above the limit, so clipping has work to do
 
-    trainers = [ray.remote(PolicyTrainer).options(num_cpus=1).remote(tiny_model, 1e-2, stage) for stage in (0, 1)]
-    critic = ray.remote(Critic).options(num_cpus=1).remote(tiny_model, 1e-2)
+    trainers = [ray.remote(Trainer).options(num_cpus=1).remote(tiny_model, 1e-2, stage) for stage in (0, 1)]
+    critic = ray.remote(Trainer).options(num_cpus=1).remote(tiny_model, 1e-2, head="token_value")
     try:
-        norms = [o["grad_norm"] for o in ray.get([t.sft_step.remote(batch) for t in trainers])]
+        norms = [o["grad_norm"] for o in ray.get([t.update.remote(SFT(), {"seq": batch}) for t in trainers])]
         assert norms == pytest.approx([by_hand, by_hand], rel=1e-4)
         assert ray.get(trainers[0].__ray_call__.remote(_clip_now, batch)) == pytest.approx(1.0, rel=1e-4)
         values = ray.get(critic.values.remote(batch))
-        assert ray.get(critic.train_step.remote(batch, values, values + 1.0, 10.0))["value_grad_norm"] > 0
+        assert (
+            ray.get(
+                critic.update.remote(PPOValue(clip=10.0), {"seq": batch, "old_values": values, "returns": values + 1.0})
+            )["grad_norm"]
+            > 0
+        )
     finally:
         for a in (*trainers, critic):
             ray.kill(a)
@@ -183,12 +193,12 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
     specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5)}
     place = Placement("live-sync-test", specs, colocate=(tuple(specs),))
     try:
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2, live_weights=True)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-2, live_weights=True)
         [rollout] = place.place("rollout", Rollout, tiny_model)
         tok = AutoTokenizer.from_pretrained(tiny_model)
         batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)])))
         before = ray.get(rollout.logprobs.remote(batch))
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         trained = ray.get(policy.logprobs.remote(batch))
         assert not torch.allclose(before, trained)
         # the replica's own weights are untouched until it binds to the trainer's buffer at the first sync
@@ -203,7 +213,7 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         files = ray.get(rollout.__ray_call__.remote(mapped))
         assert len(set(files.values())) == 1 and next(iter(files.values())).startswith(("/dev/shm/", "/tmp"))
         # a second update reaches the replica with no copy: its next sample is from update 2, exactly
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         trained2 = ray.get(policy.logprobs.remote(batch))
         assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained2, atol=0, rtol=0)
@@ -215,7 +225,7 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         # once bound, a sync sends nothing (no call to the trainer or the replica) and says what is shared
         loads = start_sync(policy, [rollout])
         assert loads == [stats["sync_bytes"]]
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         assert sync_weights(policy, [rollout])["sync_bytes"] == stats["sync_bytes"]
         assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 3
         torch.testing.assert_close(
@@ -261,7 +271,7 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
     specs = {"policy": RoleSpec(cpus=1), "rollout": RoleSpec(cpus=0.5)}
     place = Placement(f"bf16-sync-{family}", specs, colocate=(tuple(specs),))
     try:
-        [policy] = place.place("policy", PolicyTrainer, model, 1e-2, live_weights=True, sync_dtype="bfloat16")
+        [policy] = place.place("policy", Trainer, model, 1e-2, live_weights=True, sync_dtype="bfloat16")
         [rollout] = place.place("rollout", Rollout, model, dtype="bfloat16")
         fmt = ChatFormat.from_pretrained(model)
         rows = ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("3+4=", 7)], family != "gpt2")
@@ -270,7 +280,7 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
         replica = lambda self: {k: v.clone() for k, v in self.model.state_dict().items()}  # noqa: E731
         n_bytes = sum(v.numel() * 2 for v in ray.get(policy.__ray_call__.remote(fp32)).values())
         for _ in range(2):
-            ray.get(policy.sft_step.remote(batch))
+            ray.get(policy.update.remote(SFT(), {"seq": batch}))
             stats = sync_weights(policy, [rollout])
             assert stats["sync_bytes"] >= n_bytes  # bf16 (tensors aligned to 64 bytes each)
             assert stats["sync_bytes"] < n_bytes * 1.1
@@ -288,7 +298,7 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
         with asleep([policy], on_gpu=True) as offload:
             assert offload == {"offload_bytes": 0, "offload_seconds": 0.0}
             ray.get(rollout.generate.remote(["1+2="], n=2))
-        assert ray.get(policy.sft_step.remote(batch))["grad_norm"] > 0
+        assert ray.get(policy.update.remote(SFT(), {"seq": batch}))["grad_norm"] > 0
         assert ray.get(policy.wake.remote()) == 0.0
     finally:
         place.shutdown()
@@ -313,7 +323,7 @@ def test_colocated_roles_share_one_bundle(ray_align, tiny_model):
         # the trainer's does (the same check, able to say yes)
         # (a lambda, which Ray ships by value: a module-level function goes by reference, and importing
         # this module would load torch)
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-3)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-3)
         loads_torch = lambda actor: "torch" in sys.modules  # noqa: E731
         assert ray.get([a.__ray_call__.remote(loads_torch) for a in (reward, policy)]) == [False, True]
     finally:
@@ -332,7 +342,7 @@ def test_synchronous_grpo_colocates_its_roles_and_the_working_role_uses_the_bund
     place = Placement("sync-grpo-test", specs, colocate=(tuple(specs),))
     try:
         assert place.pg.bundle_specs == [{"CPU": 2.25}]
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-3, threads=2)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-3, threads=2)
         [rollout] = place.place("rollout", Rollout, tiny_model, threads=2)
         threads = lambda self: torch.get_num_threads()  # noqa: E731
         assert ray.get([policy.__ray_call__.remote(threads), rollout.__ray_call__.remote(threads)]) == [2, 2]
@@ -346,13 +356,13 @@ def test_ppo_step_moves_the_policy_toward_positive_advantages(ray_align, tiny_mo
     gradient (surrogate or step) moves both the wrong way."""
     place = Placement("ppo-sign", {"policy": RoleSpec(1)})
     try:
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 5e-3)
+        [policy] = place.place("policy", Trainer, tiny_model, 5e-3)
         tok = AutoTokenizer.from_pretrained(tiny_model)
         batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3), ar.Problem("1+2=", 4)])))
         m = batch["response_mask"]
         old = ray.get(policy.logprobs.remote(batch))
         adv = torch.stack([m[0], -m[1]])  # (B, T−1): good completion +1, bad −1, prompt tokens 0
-        ray.get(policy.ppo_step.remote(batch, old, adv, 0.2))
+        ray.get(policy.update.remote(PPOPolicy(clip_eps=0.2), {"seq": batch, "old_lp": old, "advantages": adv}))
         new = ray.get(policy.logprobs.remote(batch))
         gain = ((new - old) * m).sum(1)
         assert gain[0] > 0 > gain[1], gain
@@ -372,7 +382,7 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
     place = Placement("coloc-test", specs, colocate=(tuple(specs),))
     try:
         assert len(ray.util.placement_group_table(place.pg)["bundles"]) == 1
-        [policy] = place.place("policy", PolicyTrainer, tiny_model, 1e-2)
+        [policy] = place.place("policy", Trainer, tiny_model, 1e-2)
         rollouts = place.place("rollout", Rollout, tiny_model, per_replica=lambda i: {"seed": i})
         [reference] = place.place("reference", Reference, tiny_model)
         ray.get([a.__ray_ready__.remote() for a in (policy, *rollouts, reference)])
@@ -402,7 +412,7 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
 
         tok = AutoTokenizer.from_pretrained(tiny_model)
         batch = encode_sft(ChatFormat(tok), sft_examples(ar.sft_rows([ar.Problem("1+2=", 3)])))
-        ray.get(policy.sft_step.remote(batch))
+        ray.get(policy.update.remote(SFT(), {"seq": batch}))
         trained = ray.get(policy.logprobs.remote(batch))
         sync_weights(policy, rollouts)
         for r in rollouts:

@@ -1,0 +1,92 @@
+"""What every alignment driver does before and after its loop: check the inputs before any actor
+starts (`rl_inputs`), place the roles, export the trained model and shut the roles down (`Run`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import ray
+
+from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
+from raypai.alignment.placement import Placement
+from raypai.alignment.rewards import resolve
+from raypai.errors import ConfigError
+
+
+@dataclass
+class RLInputs:
+    fmt: object  # raypai.chat.ChatFormat of the policy's tokenizer
+    trunc: object  # raypai.alignment.models' truncation policy and counter
+    reward_fns: list  # resolved (fn, weight) pairs
+    use_rm: bool  # a reward model is scored in
+    pad_id: int
+
+
+def rl_inputs(
+    algo: str,
+    model_dir: str,
+    cfg,
+    train: list,
+    held_out: list,
+    *,
+    rewards=None,
+    reward_model_dir: str | None = None,
+    reward_model_weight: float = 0.0,
+) -> RLInputs:
+    """The checks of a run that samples from prompts (GRPO, PPO, online DPO), all before any actor
+    starts: a causal LM, a reward, training and held-out prompts that fit with `max_new_tokens`."""
+    check_causal_lm(model_dir)
+    reward_fns = resolve(rewards)
+    use_rm = bool(reward_model_dir and reward_model_weight)
+    if not reward_fns and not use_rm:
+        fix = "and/or a reward model with reward_model_weight > 0" if algo != "online DPO" else "to rank them"
+        raise ConfigError(
+            [f"{algo} needs a reward: pass rewards=['my_pkg.rewards:fn'] (or callables) {fix}"], what=f"{algo} inputs"
+        )
+    if not train or not held_out:
+        raise ConfigError(
+            [
+                f"{algo} needs training and held-out prompts (got {len(train or [])} and {len(held_out or [])}): "
+                "pass prompt examples, e.g. raypai.alignment.data.load('prompts.jsonl', 'prompt')"
+            ],
+            what=f"{algo} inputs",
+        )
+    fmt, trunc = format_and_limit(model_dir, cfg)
+    check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
+    check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
+    return RLInputs(fmt, trunc, reward_fns, use_rm, fmt.tok.pad_token_id)
+
+
+class Run:
+    """A driver's roles, from placement to shutdown:
+
+        with Run("grpo", specs, colocate=..., logger=logger) as run:
+            [policy] = run.place("policy", Trainer, ...)
+            ...
+            return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)
+
+    `finish` exports the trained model (an HF folder with raypai.json: algorithm, config, metrics,
+    lineage); leaving the block shuts every role down, then logs the summary (once the run ended
+    without an error)."""
+
+    def __init__(self, run_name: str, specs: dict, *, colocate: tuple = (), logger=None):
+        self.placement = Placement(run_name, specs, colocate=colocate)
+        self.logger = logger
+        self.summary: dict | None = None
+
+    def place(self, role: str, cls, *args, **kwargs) -> list:
+        return self.placement.place(role, cls, *args, **kwargs)
+
+    def finish(self, trained, out_dir: str, algorithm: str, cfg, summary: dict, lineage: dict | None) -> dict:
+        meta = {"algorithm": algorithm, "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
+        ray.get(trained.export.remote(out_dir, meta))
+        self.summary = summary
+        return summary
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.placement.shutdown()
+        if exc_type is None and self.logger is not None and self.summary is not None:
+            self.logger.log_metrics(self.summary)

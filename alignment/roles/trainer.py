@@ -1,0 +1,304 @@
+"""Trainer: a trained model (a DeepSpeed engine) as a Ray actor — the policy of every algorithm,
+PPO's critic and the reward model alike. It knows placement, devices and the optimizer step, and
+no algorithm: each update is handed an objective from `raypai.alignment.losses.objectives`.
+
+    policy = Trainer(model_dir, lr=1e-5)                       # head="causal_lm"
+    policy.update(SFT(), batch)                                 # a batch the caller made
+    policy.update_on(GRPO(group_size=8), scores, sampled, *outs)  # inputs as Ray hands them over
+    policy.hold("pairs", (chosen, rejected, ref_c, ref_r)); policy.updates(DPO(), [[0, 3], [1, 2]])
+
+Heads: "causal_lm" (the policy: AutoModelForCausalLM), "token_value" (PPO's critic: a scalar per
+position, AutoModelForTokenClassification) and "score" (the reward model: a scalar per sequence,
+AutoModelForSequenceClassification)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from raypai.alignment._tensors import cpu_threads, token_logprobs
+from raypai.alignment.roles._device import DTYPES, autocast, role_device
+from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, without_dropout
+from raypai.alignment.roles._engine import step as engine_step
+
+# CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it a
+# step is many small operations whose fork/join costs more than the split saves, and the second core
+# is better left to the driver and Ray's own processes (benchmarks/history/asides.md).
+TRAIN_FLOPS_PER_THREAD = 2.5e9
+
+HEADS = ("causal_lm", "token_value", "score")
+
+
+def _load(model_dir: str, head: str):
+    import transformers as tf
+
+    if head == "causal_lm":
+        return tf.AutoModelForCausalLM.from_pretrained(model_dir)
+    cls = tf.AutoModelForTokenClassification if head == "token_value" else tf.AutoModelForSequenceClassification
+    model = cls.from_pretrained(model_dir, num_labels=1)
+    model.config.pad_token_id = tf.AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    return model
+
+
+def _to(x, device):
+    """A (possibly nested) batch's tensors on `device` (non-blocking from the host)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def _tokens(x) -> int:
+    """Tokens of every sequence batch (a dict with an attention_mask) in a nested batch."""
+    if isinstance(x, dict):
+        if isinstance(x.get("attention_mask"), torch.Tensor):
+            return int(x["attention_mask"].sum())
+        return sum(_tokens(v) for v in x.values())
+    return 0
+
+
+class _Forward:
+    """The role's forward passes, handed to an objective (`losses.objectives.Model`)."""
+
+    def __init__(self, role: Trainer):
+        self.role = role
+
+    def logprobs(self, batch: dict, where: torch.Tensor | None = None) -> torch.Tensor:
+        # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
+        # nothing here), so Llama-family models take the lean forward
+        with autocast(self.role.device):
+            return token_logprobs(self.role.engine.module, batch["input_ids"], batch["attention_mask"], where=where)
+
+    def values(self, batch: dict) -> torch.Tensor:
+        # the value of the state *before* token t+1, aligned with the label positions: (B, T−1)
+        with autocast(self.role.device):
+            out = self.role.engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.logits[:, :-1, 0].float()
+
+    def scores(self, batch: dict) -> torch.Tensor:
+        with autocast(self.role.device):
+            out = self.role.engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.logits[:, 0].float()
+
+
+class Trainer(Sleeps):
+    def __init__(
+        self,
+        model_dir: str,
+        lr: float,
+        zero_stage: int = 0,
+        seed: int = 0,
+        threads: int = 1,
+        *,
+        head: str = "causal_lm",
+        live_weights: bool = False,
+        device: str = "cpu",
+        sync_dtype: str | None = None,
+        dropout: bool = False,
+    ):
+        """`head`: one of HEADS. `live_weights`: keep the parameters in a shared-memory buffer that
+        same-node rollout replicas bind to (raypai.alignment.sync, "live shared parameters"); only for
+        loops in which no replica samples while this trainer updates (the synchronous ones), only at
+        ZeRO stage 0 and only on the CPU. `device`: "cpu" or "cuda" (fp32 weights, bf16 autocast;
+        `roles._device`). `sync_dtype`: the rollout replicas' weight dtype (e.g. "bfloat16"), in which
+        the weights are handed over in shared memory; None: this trainer's own (fp32). `dropout`:
+        keep the model's own dropout in training (SFT); RL updates train without it (an update
+        compares training-mode outputs with eval-mode ones: `roles._engine.without_dropout`)."""
+        if head not in HEADS:
+            raise ValueError(f"unknown trainer head {head!r}; choose one of {', '.join(HEADS)}")
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.threads, self.model_dir, self.head = threads, model_dir, head
+        self.device = role_device(device, "trainer")
+        self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None
+        self.updates_done = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample)
+        model = _load(model_dir, head).to(self.device)
+        if not dropout:
+            without_dropout(model)
+        self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
+        self._live = (
+            live_weights and head == "causal_lm" and zero_stage == 0 and self.device.type == "cpu" and not sync_dtype
+        )
+        if self._live:
+            from raypai.alignment.sync import SharedWeights
+
+            params = dict(model.named_parameters())  # tied weights once
+            self._shared = SharedWeights(self._shared_path(), params, create=True)
+            self._shared.bind(params, copy=True)
+            self._shared.stamp(0)
+        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage, use_gpu=self.device.type == "cuda")
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.held: dict = {}
+        self._forward = _Forward(self)
+
+    @staticmethod
+    def _shared_path():
+        import sys
+        import uuid
+
+        from raypai.alignment.sync import shared_path
+
+        ray = sys.modules.get("ray")  # in an actor Ray is loaded; a role built in-process may have none
+        actor = ray.get_runtime_context().get_actor_id() if ray is not None and ray.is_initialized() else None
+        return shared_path(actor[:24] if actor else uuid.uuid4().hex[:24])
+
+    def _threads_for(self, batch, passes: int = 6) -> None:
+        """Threads for a step over `batch` (6 FLOPs per parameter and token: forward and backward;
+        2 for a forward alone), at most the actor's own (TRAIN_FLOPS_PER_THREAD)."""
+        if self.device.type == "cpu":
+            flops = passes * self.n_params * _tokens(batch)
+            torch.set_num_threads(cpu_threads(flops, TRAIN_FLOPS_PER_THREAD, self.threads))
+
+    # ---- updates ---------------------------------------------------------------------------------
+
+    def update(self, objective, batch: dict) -> dict:
+        """One optimizer step on `objective` over a ready `batch` (what `objective.assemble` makes).
+        Returns the objective's stats with `loss` (total / normaliser), `grad_norm`, the weights'
+        `policy_version` before the step and `update_seconds` (this actor's own time)."""
+        t0 = time.perf_counter()
+        set_mode(self.engine, True)
+        batch = _to(batch, self.device)
+        self._threads_for(batch)
+        version = self.updates_done
+        out = objective.loss(self._forward, batch)
+        loss = out.total / out.normaliser
+        self.engine.backward(loss)
+        if self._live:
+            self._shared.stamp(-1)  # being written
+        grad_norm = engine_step(self.engine)
+        self.updates_done += 1
+        if self._live:
+            self._shared.stamp(self.updates_done)
+        metrics = {"loss": loss.item(), **{k: float(v) for k, v in out.stats.items()}}
+        return {
+            **metrics,
+            "grad_norm": grad_norm,
+            "policy_version": version,
+            "update_seconds": time.perf_counter() - t0,
+        }
+
+    def update_on(self, objective, *inputs, **named) -> dict:
+        """`update` on the batch `objective.assemble` makes of `inputs` (what Ray hands over: the
+        rollout replicas' outputs, the Reward actor's scores, rows of held data). No batch (nothing to
+        learn, e.g. online DPO's groups all tied): no update, {"skipped": 1.0}."""
+        batch = objective.assemble(*inputs, held=self.held, **named)
+        if batch is None:
+            return {"skipped": 1.0}
+        return self.update(objective, batch)
+
+    def updates(self, objective, inputs: list) -> list[dict]:
+        """`update_on` once per entry of `inputs` (each a tuple of arguments, or one argument), in
+        order, in one call: a call's own cost in Ray is then paid once for several small steps."""
+        return [self.update_on(objective, *(i if isinstance(i, tuple) else (i,))) for i in inputs]
+
+    def hold(self, name: str, data) -> int:
+        """Keep data here (host memory) that later updates name rows of (`objective.assemble(idx,
+        held=...)`), instead of shipping their tensors with each step; returns its row count."""
+        self.held[name] = data
+        first = data[0] if isinstance(data, (tuple, list)) else data
+        return len(first["input_ids"]) if isinstance(first, dict) else len(first)
+
+    # ---- forward passes (eval mode, no gradients) -----------------------------------------------
+
+    def _infer(self, what: str, batch: dict) -> torch.Tensor:
+        set_mode(self.engine, False)
+        batch = _to(batch, self.device)
+        self._threads_for(batch, passes=2)
+        with torch.no_grad():
+            if what == "logprobs":
+                return self._forward.logprobs(batch, batch["response_mask"]).cpu()
+            return getattr(self._forward, what)(batch).cpu()
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
+        return self._infer("logprobs", batch)
+
+    def values(self, batch: dict) -> torch.Tensor:
+        """(B, T−1) values of a token-value head (the critic)."""
+        return self._infer("values", batch)
+
+    def scores(self, batch: dict) -> torch.Tensor:
+        """(B,) scores of a sequence-score head (the reward model)."""
+        return self._infer("scores", batch)
+
+    def values_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
+        """`values` of a generation as Ray hands it over (`_loop.handed_over`)."""
+        from raypai.alignment._loop import handed_over
+
+        return self.values(handed_over(sampled, outs))
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    def version(self) -> int:
+        return self.updates_done
+
+    def state_dict(self) -> dict:
+        """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load."""
+        return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in self.engine.module.state_dict().items()}
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def write_shared(self, *after) -> tuple[str, int, bool]:
+        """Make the current weights readable by same-node replicas; returns (the buffer's path, the
+        weights' version, live). Live, the parameters already are the buffer: only the version is
+        stamped (it covers in-place changes made outside an update, e.g. a checkpoint load).
+        Otherwise they are copied into this trainer's buffer. `after`: the replicas' loads of the
+        last round, as ObjectRefs, which Ray resolves before this runs (their values are unused)."""
+        from raypai.alignment.sync import SharedWeights
+
+        if self._live:
+            self._shared.stamp(self.updates_done)
+            return self._shared.path, self.updates_done, True
+        state = self.engine.module.state_dict()
+        if self._shared is None:
+            # the layout in the replicas' dtype: the copy into the buffer casts (fp32 → bf16 for GPU replicas)
+            like = {k: torch.empty(v.shape, dtype=self.sync_dtype or v.dtype, device="meta") for k, v in state.items()}
+            self._shared = SharedWeights(self._shared_path(), like, create=True)
+        self._shared.write(state, self.updates_done)
+        return self._shared.path, self.updates_done, False
+
+    def unlink_shared(self) -> None:
+        """Remove the buffer's file (every replica has mapped it; the mappings stay valid)."""
+        import os
+
+        if self._shared is not None and os.path.exists(self._shared.path):
+            os.unlink(self._shared.path)
+
+    def export(self, out_dir: str, extra: dict | None = None) -> str:
+        """The model as an HF folder: weights and the source folder's tokenizer files; a causal LM
+        also gets a generation config whose EOS list holds every stop token (plain `generate` stops
+        where raypai does). `extra`: written as raypai.json."""
+        from raypai.chat import ChatFormat, copy_tokenizer_files, write_generation_stops
+
+        out = Path(out_dir)
+        self.engine.module.save_pretrained(out, safe_serialization=True)
+        copy_tokenizer_files(self.model_dir, out)
+        if self.head == "causal_lm":
+            write_generation_stops(out, ChatFormat.from_pretrained(self.model_dir).stop_ids)
+        if extra is not None:
+            (out / "raypai.json").write_text(json.dumps(extra, indent=1, default=str))
+        return str(out)
+
+    def save_checkpoint(
+        self, folder: str, tag: str, client_state: dict | None = None, *, keep: int = 2, point_latest: bool = True
+    ) -> None:
+        """Save under a new `tag`, then (`point_latest`) point `latest` at it and keep the `keep`
+        newest tags (raypai.alignment.checkpoint.commit)."""
+        from raypai.alignment.checkpoint import commit
+
+        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state or {}, save_latest=False)
+        commit(folder, tag, keep=keep, point_latest=point_latest)
+
+    def load_checkpoint(self, folder: str, tag: str | None = None) -> dict:
+        """Load the checkpoint `tag` (None: the one `latest` names); returns its client state."""
+        _, client_state = self.engine.load_checkpoint(folder, tag=tag)
+        return client_state or {}
