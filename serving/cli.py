@@ -18,6 +18,7 @@ from typing import List, Optional
 import typer
 
 from raypai import exits
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS
 
 deploy_app = typer.Typer(help="Deployments (talks to the deploy API over HTTP).", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens (stored hashed; shown once).", no_args_is_help=True)
@@ -87,13 +88,13 @@ def create(
     name: str,
     model: str = typer.Option(..., help="registered model name (MLflow registry)"),
     version: Optional[int] = typer.Option(None, help="registry version (default: the alias)"),
-    alias: Optional[str] = typer.Option(None, help="registry alias (default: champion)"),
-    replicas: int = 1,
-    cpus: float = 1.0,
-    gpus: float = 0.0,
+    alias: Optional[str] = typer.Option(None, help=f"registry alias (default: {DEFAULT_ALIAS})"),
+    replicas: int = DEFAULTS["replicas"],
+    cpus: float = DEFAULTS["cpus"],
+    gpus: float = DEFAULTS["gpus"],
     min_replicas: Optional[int] = typer.Option(None, help="autoscale from this many replicas…"),
     max_replicas: Optional[int] = typer.Option(None, help="…up to this many"),
-    max_batch_size: int = 16,
+    max_batch_size: int = DEFAULTS["max_batch_size"],
 ):
     body = {
         "name": name,

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ray import serve
 
-from raypai.deployment import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, Batching, DeploymentSpec
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS, Batching, DeploymentSpec
 from raypai.errors import ConfigError, DeployError, DeploymentConflict, NotFoundError
 from raypai.serving.canary import CanaryPolicy
 from raypai.serving.model_server import ModelServer
@@ -95,7 +95,7 @@ class Controller:
         _wait_running(app_name(name, version))
 
     def _resolve(self, model: str, version: int | None, alias: str | None) -> int:
-        ref = version if version is not None else (alias or "champion")
+        ref = version if version is not None else (alias or DEFAULT_ALIAS)
         try:
             v, _ = self.tracker.resolve_model(model, ref)
         except NotFoundError as exc:
@@ -113,13 +113,15 @@ class Controller:
         version: int | None = None,
         alias: str | None = None,
         *,
-        replicas: int = 1,
-        autoscaling: dict | None = None,
-        cpus: float = 1.0,
-        gpus: float = 0.0,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S,
+        replicas: int = DEFAULTS["replicas"],
+        autoscaling: dict | None = DEFAULTS["autoscaling"],
+        cpus: float = DEFAULTS["cpus"],
+        gpus: float = DEFAULTS["gpus"],
+        max_batch_size: int = DEFAULTS["max_batch_size"],
+        batch_wait_timeout_s: float = DEFAULTS["batch_wait_timeout_s"],
     ) -> dict:
+        """Deploy `model` at `version`, or at the version behind `alias` (neither: DEFAULT_ALIAS); the
+        defaults are the deployment spec's (raypai.deployment.DEFAULTS)."""
         if self.store.get_deployment(name) is not None:
             raise DeploymentConflict(
                 f"deployment {name!r} already exists; change its version or scale with "

@@ -23,13 +23,13 @@ import time
 from ray import serve
 
 from raypai.chat import ChatFormat, context_length
-from raypai.deployment import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE
+from raypai.deployment import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, DEFAULTS
 from raypai.serving.engine import Engine, Event, should_admit
 from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
 from raypai.serving.generation import GenRequest, GenResult
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, health_check_period_s=5, max_ongoing_requests=64)
+@serve.deployment(ray_actor_options={"num_cpus": DEFAULTS["cpus"]}, health_check_period_s=5, max_ongoing_requests=64)
 class ModelServer:
     def __init__(
         self,

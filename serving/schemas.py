@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS
+
 MAX_TOKENS_LIMIT = 2048
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -65,14 +67,21 @@ class DeploymentCreate(BaseModel):
     name: str = Field(description="deployment name; also the `model` clients send")
     model: str = Field(description="registered model name in the MLflow registry")
     version: int | None = Field(default=None, ge=1)
-    alias: str | None = Field(default=None, description="registry alias, e.g. champion (instead of version)")
-    replicas: int = Field(default=1, ge=1, le=64)
+    alias: str | None = Field(
+        default=None, description=f"registry alias, instead of version (neither given: {DEFAULT_ALIAS})"
+    )
+    replicas: int = Field(default=DEFAULTS["replicas"], ge=1, le=64)
     autoscaling: Autoscaling | None = Field(default=None, description="autoscale instead of fixed replicas")
-    cpus: float = Field(default=1.0, gt=0, le=64)
-    gpus: float = Field(default=0.0, ge=0, le=8)
-    max_batch_size: int = Field(default=16, ge=1, le=256, description="dynamic batching: most requests per batch")
+    cpus: float = Field(default=DEFAULTS["cpus"], gt=0, le=64)
+    gpus: float = Field(default=DEFAULTS["gpus"], ge=0, le=8)
+    max_batch_size: int = Field(
+        default=DEFAULTS["max_batch_size"], ge=1, le=256, description="dynamic batching: most requests per batch"
+    )
     batch_wait_timeout_s: float = Field(
-        default=0.01, ge=0, le=1.0, description="dynamic batching: longest wait for a batch to fill"
+        default=DEFAULTS["batch_wait_timeout_s"],
+        ge=0,
+        le=1.0,
+        description="dynamic batching: longest wait for a batch to fill",
     )
 
     @field_validator("name")

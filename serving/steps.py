@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from raypai import Artifact, StepContext, step
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS
 
 
 @step(cpus=0.25)  # cached by model digest + evaluation: an unchanged re-run registers nothing new
 def register(
-    ctx: StepContext, model: Artifact, name: str, evaluation: dict | None = None, alias: str = "champion"
+    ctx: StepContext, model: Artifact, name: str, evaluation: dict | None = None, alias: str = DEFAULT_ALIAS
 ) -> dict:
     """Register the model in the MLflow registry with lineage tags; set `alias` only when the
     evaluation says it beat its baseline (or when there is no evaluation)."""
@@ -78,8 +79,8 @@ def deploy(
     ctx: StepContext,
     registered: dict,
     name: str,
-    replicas: int = 1,
-    cpus: float = 0.5,
+    replicas: int = DEFAULTS["replicas"],
+    cpus: float = DEFAULTS["cpus"],
     require_promoted: bool = False,
     evaluation: dict | None = None,
     min_metrics: dict[str, float] | None = None,

@@ -14,12 +14,14 @@ the same JSON under "spec".
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from types import MappingProxyType
 
 from raypai.config import parse_config
 
 DEFAULT_MAX_BATCH_SIZE = 16  # requests one engine step decodes together
 DEFAULT_BATCH_WAIT_S = 0.01  # how long the engine thread waits to group arrivals into one batch
+DEFAULT_ALIAS = "champion"  # the registry alias `register` moves and a deploy without a version resolves
 
 
 @dataclass(frozen=True)
@@ -86,4 +88,20 @@ class DeploymentSpec:
         return parse_config(cls, d, what="deployment spec")
 
 
-__all__ = ["DeploymentSpec", "Batching", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_BATCH_WAIT_S"]
+def _field_defaults(cls) -> dict:
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+# Every deploy default, read from the two dataclasses above and nowhere else: the `raypai deploy create`
+# options, the deploy API's schema, `Controller.create` and the `deploy` step take theirs from here
+# (replicas, cpus, gpus, max_batch_size, batch_wait_timeout_s, ...; batching's fields at top level).
+DEFAULTS = MappingProxyType({**_field_defaults(DeploymentSpec), **_field_defaults(Batching)})
+
+__all__ = [
+    "DeploymentSpec",
+    "Batching",
+    "DEFAULTS",
+    "DEFAULT_ALIAS",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_BATCH_WAIT_S",
+]
