@@ -1,10 +1,11 @@
 """DeepSpeed imported without the optional MLflow import of its autotuner.
 
 `import deepspeed` loads `deepspeed.autotuning.autotuner`, which tries `import mlflow` only to log
-autotuning experiments, a feature raypai never runs; MLflow costs ≈ 1.2 s of CPU to import, paid by
-every trainer actor and Ray Train worker (on 2 cores, CPU the other roles wait for). The import is
-refused for the time of DeepSpeed's own import (its autotuner then records MLflow as absent) and
-allowed again straight after, so code in the same process that does use MLflow imports it as usual.
+autotuning experiments, a feature raypai never runs; importing MLflow costs CPU that every trainer
+actor and Ray Train worker would pay, and that roles sharing the cores wait for
+(benchmarks/history/asides.md). The import is refused for the time of DeepSpeed's own import (its
+autotuner then records MLflow as absent) and allowed again straight after, so code in the same
+process that does use MLflow imports it as usual.
 """
 
 from __future__ import annotations

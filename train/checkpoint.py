@@ -113,9 +113,9 @@ class SnapshotBuffers:
 
     The first snapshot allocates them; later ones `copy_` into the same memory. A fresh clone of a
     large state pays the kernel's page faults for every new page, which costs several times the
-    copy itself (on this project's 2-core CPU host, 136 MB: 80-460 ms cloned, 13-17 ms into reused
-    buffers). At most one snapshot is in flight (`AsyncCheckpointer` waits for the previous write
-    first), so one set of buffers suffices; it costs one copy of this worker's checkpointed state.
+    copy itself (benchmarks/history/asides.md). At most one snapshot is in flight
+    (`AsyncCheckpointer` waits for the previous write first), so one set of buffers suffices; it
+    costs one copy of this worker's checkpointed state.
     On a GPU the buffers are pinned and the copies asynchronous; the writer waits for them."""
 
     def __init__(self):

@@ -41,7 +41,7 @@ def clip(engine, max_norm: float | None) -> None:
     if max_norm is None or not engine.is_gradient_accumulation_boundary():
         return
     # the parameters as a list made once where the engine carries one (`PARAMS_ATTR`: walking the
-    # module tree is ≈ 0.6 ms a step for a 4-layer model, 3 % of a small DPO step on a CPU)
+    # module tree every step is a visible share of a small step; benchmarks/history/asides.md)
     params = getattr(engine, PARAMS_ATTR, None) or engine.module.parameters()
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:

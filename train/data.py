@@ -31,8 +31,8 @@ from raypai.token_shards import MANIFEST, SPLITS, TokenShardsManifest
 from raypai.train._fs import read_json, resolve
 
 COLUMNS = ["block_id", "input_ids"]
-# 16Ki tokens (64 KiB of int32) per row group: one decodes in about 0.3-0.5 ms on this project's
-# CPU host (4 × the tokens took twice as long), while the footer stays small (one entry per group).
+# 16Ki tokens (64 KiB of int32) per row group: a block read decodes its whole group, so groups stay
+# small, while the footer stays small too (one entry per group; benchmarks/history/asides.md).
 ROW_GROUP_TOKENS = 1 << 14
 OPEN_FILES = 16  # shard files a reader keeps open (a footer and a handle each)
 

@@ -47,7 +47,7 @@ def make_engine(
         engine.enable_backward_allreduce = False
     if zero_stage == 0:
         # after each fp32 stage-0 step DeepSpeed sets every gradient to None by walking the module tree
-        # (`named_parameters`, ≈ 0.4 ms a DPO step of the benchmark model on a CPU, 2 % of it); the
+        # (`named_parameters`, a visible share of a small step: benchmarks/history/asides.md); the
         # same over a list of the parameters, made once
         params = list(model.parameters())
         setattr(engine, PARAMS_ATTR, params)  # the clipping's list too (raypai.train.clipping)
@@ -111,8 +111,8 @@ class Sleeps:
 
 def set_mode(engine, training: bool) -> None:
     """The engine's model in train (`training`) or eval mode. `Module.train` walks every submodule
-    and sets an attribute on each (≈ 0.7 ms a DPO step for the 4-layer benchmark model on a CPU,
-    measured with cProfile: 3 % of the step); the roles switch modes only here, on the whole model,
-    so its top module's flag is the mode of every submodule and an unchanged mode is left alone."""
+    and sets an attribute on each (a visible share of a small step: benchmarks/history/asides.md);
+    the roles switch modes only here, on the whole model, so its top module's flag is the mode of
+    every submodule and an unchanged mode is left alone."""
     if engine.module.training != training:
         engine.train(training)

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 # Where each public name lives. They load on first use (PEP 562): a Ray actor that only needs
 # `raypai.alignment` does not import the runner, the metadata store, SQLAlchemy and pyarrow
-# (≈ 0.4 s of CPU in every role and task process, on machines where roles share the cores).
+# (CPU every role and task process would pay: benchmarks/history/asides.md).
 _EXPORTS = {
     "Artifact": "raypai.artifacts",
     "ArtifactStore": "raypai.artifacts",

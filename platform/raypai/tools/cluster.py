@@ -7,9 +7,10 @@ The cluster gets raypai as a *built wheel*, never as the source tree: the wheel 
 clean copy of the package folders (`pip wheel --no-deps`), unpacked, and its `raypai/` folder is
 handed to Ray as a `py_modules` entry. That folder holds every mapped subpackage
 (`raypai.data`, `raypai.serving`, ...), which `py_modules=[raypai]` on the source would miss
-(DESIGN §1). The wheel itself is not passed to `py_modules`: Ray installs a `.whl` there with
-`pip install --target` *including its dependencies* (torch, ray, deepspeed...), which a cluster
-image already has. A pipeline file given by path travels alone in a one-file `working_dir`.
+(docs/production.md, "Shipping the code"). The wheel itself is not passed to `py_modules`: Ray
+installs a `.whl` there with `pip install --target` *including its dependencies* (torch, ray,
+deepspeed...), which a cluster image already has. A pipeline file given by path travels alone in a
+one-file `working_dir`.
 
 Ray ≥ 2.52 protects the dashboard (and so the Jobs API) with a bearer token when the cluster runs
 with `RAY_AUTH_MODE=token`; `ray start --head` turns it on by itself when `~/.ray/auth_token`
@@ -54,7 +55,8 @@ __all__ = [
     "wheel_modules",
 ]
 
-# Forwarded to the job when set here, next to the resolved settings (DESIGN §2): the S3 endpoint.
+# Forwarded to the job when set here, next to the resolved settings: the S3 endpoint
+# (docs/production.md, "The variables").
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 # Secrets travel only on request: runtime_env variables are visible in the Ray dashboard.
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
