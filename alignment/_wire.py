@@ -1,9 +1,8 @@
 """Plain CPU tensors between raypai's processes as numpy arrays.
 
 Ray pickles a `torch.Tensor` through torch's own reduction, which writes the tensor's storage with
-`torch.save`. Measured on issue #14's machine, a call carrying a GRPO batch (four small tensors) took
-3.2 ms for the round trip, against 1.2 ms for the same arrays as numpy (which Ray passes as pickle-5
-buffers) and 0.8 ms with no tensor at all. `install()` makes the calling process send plain CPU
+`torch.save`, several times slower for a batch of small tensors than the same arrays as numpy, which
+Ray passes as pickle-5 buffers (benchmarks/history/asides.md). `install()` makes the calling process send plain CPU
 tensors as arrays; the receiving process needs nothing installed (Ray pickles the function that
 rebuilds them by reference).
 
