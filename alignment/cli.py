@@ -6,8 +6,8 @@
     raypai align grpo --model sft_model/ --data prompts.jsonl --reward my_pkg.rewards:accuracy=1 \\
         --reward my_pkg.rewards:brevity=0.1 --config grpo.yaml --out grpo_model/   # re-run resumes from OUT.ckpt/
 
---config holds the fields of the algorithm's config class (SFTConfig, RewardModelConfig, DPOConfig,
-GRPOConfig, PPOConfig in raypai.alignment.config). The data, the model folder, the reward import
+ALGO is a name in raypai.alignment.algorithms.ALGORITHMS; --config holds the fields of its config
+class (SFTConfig, RewardModelConfig, DPOConfig, GRPOConfig, PPOConfig in raypai.alignment.config). The data, the model folder, the reward import
 paths and the config are all checked before Ray starts.
 """
 
@@ -19,14 +19,7 @@ from typing import List, Optional
 
 import typer
 
-KINDS = {
-    "sft": "sft",
-    "reward_model": "preference",
-    "dpo": "preference",
-    "online_dpo": "prompt",
-    "grpo": "prompt",
-    "ppo": "prompt",
-}
+from raypai.alignment import algorithms as A
 
 model_app = typer.Typer(
     help="Bring existing Hugging Face models into the artifact store and registry.", no_args_is_help=True
@@ -34,7 +27,7 @@ model_app = typer.Typer(
 
 
 def align_command(
-    algo: str = typer.Argument(..., help="sft | reward_model | dpo | online_dpo | grpo | ppo"),
+    algo: str = typer.Argument(..., help=" | ".join(A.ALGORITHMS)),
     model: str = typer.Option(..., "--model", help="HF model folder or models:/NAME@ALIAS"),
     data: str = typer.Option(..., "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder"),
     out: Path = typer.Option(..., "--out", help="where the aligned model is written"),
@@ -53,60 +46,46 @@ def align_command(
     from raypai.errors import ConfigError
     from raypai.settings import Settings
 
-    if algo not in KINDS:
-        raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(KINDS)}"], what="raypai align")
     # everything is validated before Ray starts
+    entry = A.get(algo, what="raypai align")
     cfg = C.from_dict(algo, _read_config(config) if config else {})
+    given = {"--reward": reward, "--reward-model": reward_model, "--eval-pairs": pairs}
+    takes = {"--reward": entry.rewards, "--reward-model": entry.reward_model, "--eval-pairs": entry.eval_pairs}
+    unused = [f"{algo} takes no {flag}; leave it out" for flag, value in given.items() if value and not takes[flag]]
+    if unused:
+        raise ConfigError(unused, what="raypai align")
+    if entry.eval_pairs and not pairs:
+        raise ConfigError([f"{algo} needs --eval-pairs (held-out preference pairs to measure)"], what="raypai align")
     settings = Settings.load()
     model_dir = resolve_model(model, settings.mlflow_tracking_uri, cache_dir=settings.home / "cache" / "models")
-    kind = KINDS[algo]
-    train = D.load(data, kind)
-    held = D.load(eval_data, kind) if eval_data else None
+    train = D.load(data, entry.data)
+    held = D.load(eval_data, entry.data) if eval_data else None
     if held is None:
         train, held = D.split(train, eval_fraction, cfg.seed)
     rewards = resolve(reward)
     eval_pairs = D.load(pairs, "preference") if pairs else None
-    if algo == "online_dpo" and eval_pairs is None:
-        raise ConfigError(["online_dpo needs --eval-pairs (held-out preference pairs to measure)"], what="raypai align")
+
+    import ray
 
     from raypai.runtime import ensure_ray
 
     ensure_ray(settings)  # joins raypai's recorded Ray head when one runs, else a local Ray
-    res = _run(algo, model_dir, str(out), train, held, cfg, rewards, reward_model, eval_pairs)
-    typer.echo(json.dumps(res, indent=1, default=str))
-
-
-def _run(algo, model_dir, out, train, held, cfg, rewards, reward_model, eval_pairs):
-    import ray
-
-    from raypai.alignment.dpo import run_dpo
-    from raypai.alignment.grpo import run_grpo
-    from raypai.alignment.ppo import run_ppo
-    from raypai.alignment.reward_model import train_reward_model
-    from raypai.alignment.sft import run_sft
-
     try:
-        if algo == "sft":
-            return run_sft(model_dir, out, train, held, cfg)
-        if algo == "reward_model":
-            return train_reward_model(model_dir, out, train, held, cfg)
-        if algo == "dpo":
-            return run_dpo(model_dir, out, train, held, cfg)
-        if algo == "online_dpo":
-            return run_dpo(model_dir, out, [], eval_pairs, cfg, prompts=train, held_out=held, rewards=rewards)
-        run = run_grpo if algo == "grpo" else run_ppo
-        return run(
+        res = A.run(
+            algo,
             model_dir,
-            out,
+            str(out),
             train,
             held,
             cfg,
             rewards=rewards,
             reward_model_dir=reward_model,
-            checkpoint_dir=out + ".ckpt",
+            eval_pairs=eval_pairs,
+            checkpoint_dir=f"{out}.ckpt",  # a re-run resumes from it
         )
     finally:
         ray.shutdown()
+    typer.echo(json.dumps(res, indent=1, default=str))
 
 
 @model_app.command("import")

@@ -1,6 +1,26 @@
-"""Typed alignment configs, one per algorithm, validated before any actor starts; every problem is
-reported at once in a single `ConfigError`. Defaults are sized for the tiny arithmetic demo on a
-CPU; the comments say where a default comes from."""
+"""Typed alignment configs, one per algorithm, composed from shared parts and checked where they are
+built: every problem is reported at once in a single `ConfigError`, before any actor starts.
+
+Each setting is declared once, in the part it belongs to, with its check next to it:
+
+    Schedule      steps                                   how long a run trains
+    Batches       + batch_size                            SFT, reward model, DPO: batches of examples
+    RolloutLoop   + prompts_per_step, reward_model_weight, rollout_replicas, eval_every,
+                    checkpoint_every, clip_eps            GRPO, PPO: sample, score, learn
+    Optimisation  lr, seed, zero_stage
+    Lengths       max_length, truncation
+    Sampling      max_new_tokens, temperature, top_p, rollout_engine, compile_rollout
+    Resources     gpus
+
+An algorithm's config inherits the parts it uses and adds its own fields, so users still write one
+flat mapping (`GRPOConfig(steps=3, lr=1e-3)`, `cfg.lr`, a YAML file of `steps: 3`). A dataclass lays
+out its bases' fields from the last base to the first, so a config lists its parts last-first: the
+fields then read steps, batch (or prompts) per step, optimiser, lengths, sampling, resources, own.
+A field without a shared default (`steps`, `batch_size`, `prompts_per_step`, `reward_model_weight`)
+gets it in each config, with the reason; any other per-algorithm default is an override there too.
+
+Defaults are sized for the tiny arithmetic demo on a CPU; the comments say where a default comes from.
+"""
 
 from __future__ import annotations
 
@@ -16,117 +36,226 @@ ROLLOUT_ENGINES = ("raypai", "hf", "vllm")
 # engines whose replicas can read the trainer's own parameters in place (live shared parameters,
 # `raypai.alignment.sync`); vLLM keeps its own repacked copy, so its replicas take a copy per update
 LIVE_ENGINES = ("raypai", "hf")
+# tokens sampled after a prompt: the only default of this setting inside raypai (the rollout and the
+# `evaluate` step take theirs from here). Sized for the demo's answers: a number and the end of turn.
+MAX_NEW_TOKENS = 6
 
 
-def _positive(cfg, names, problems):
-    for n in names:
-        if getattr(cfg, n) <= 0:
-            problems.append(f"{type(cfg).__name__}.{n} must be > 0 (got {getattr(cfg, n)})")
-    if getattr(cfg, "truncation", "refuse") not in ("refuse", "truncate"):
-        problems.append(
-            f"{type(cfg).__name__}.truncation must be 'refuse' or 'truncate' (got {cfg.truncation!r}): "
-            "what happens to an example longer than max_length"
-        )
-    if getattr(cfg, "max_length", 0) < 0:
-        problems.append(f"{type(cfg).__name__}.max_length must be ≥ 0 (got {cfg.max_length}); 0 = the model's context")
-    engine = getattr(cfg, "rollout_engine", "raypai")
-    if engine not in ROLLOUT_ENGINES:
-        problems.append(
-            f"{type(cfg).__name__}.rollout_engine {engine!r} is unknown; choose one of "
-            f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot drive; "
-            "'vllm' = vLLM, installed with raypai[vllm])"
-        )
-    if getattr(cfg, "compile_rollout", False) and engine != "raypai":
-        problems.append(
-            f"{type(cfg).__name__}.compile_rollout compiles raypai's own decoding step; it does not "
-            f"apply to rollout_engine {engine!r} (set rollout_engine='raypai' or compile_rollout=False)"
-        )
-    gpus = getattr(cfg, "gpus", 0)
-    if not 0 <= gpus <= 1:
-        problems.append(
-            f"{type(cfg).__name__}.gpus must be in [0, 1] (got {gpus:g}): the roles of a run share one "
-            "GPU and take turns on it (0 runs them on CPUs)"
-        )
-    zero = getattr(cfg, "zero_stage", 0)
-    if zero not in (0, 1, 2):
-        problems.append(
-            f"{type(cfg).__name__}.zero_stage must be 0, 1 or 2 (got {zero}): each role holds a whole "
-            "model, ZeRO-3 parameter sharding needs several trainer ranks"
-        )
+class _Part:
+    """What every part and config shares: the checks of each class in its bases run once, when it
+    is built, and their problems come back together in one ConfigError."""
+
+    def __post_init__(self):
+        problems = [p for cls in reversed(type(self).__mro__) for p in vars(cls).get("_problems", _none)(self)]
+        if problems:
+            raise ConfigError(problems, what=type(self).__name__)
+
+    def validate(self):
+        """The config itself: it was checked when built (kept for callers that still call it)."""
+        return self
+
+
+def _none(_cfg) -> list[str]:
+    return []
+
+
+def _above_zero(cfg, names: dict[str, str]) -> list[str]:
+    """Problems for the fields in `names` (field → what it means) that are ≤ 0."""
+    return [
+        f"{type(cfg).__name__}.{n} must be > 0 (got {getattr(cfg, n)}): {meaning}"
+        for n, meaning in names.items()
+        if getattr(cfg, n) <= 0
+    ]
+
+
+# ---- parts ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule(_Part):
+    """How long a run trains. No shared default: each algorithm's config sets its own."""
+
+    steps: int
+
+    def _problems(self) -> list[str]:
+        return _above_zero(self, {"steps": "the number of optimizer steps"})
 
 
 @dataclass(frozen=True)
-class SFTConfig:
+class Batches(Schedule):
+    """Steps over batches of examples (SFT, reward model, DPO). The batch size is the algorithm's."""
+
+    batch_size: int
+
+    def _problems(self) -> list[str]:
+        return _above_zero(self, {"batch_size": "examples per optimizer step"})
+
+
+@dataclass(frozen=True)
+class RolloutLoop(Schedule):
+    """The loop of GRPO and PPO: per step, sample completions of `prompts_per_step` prompts, score
+    them with the rewards (rule rewards plus a trained reward model weighted by `reward_model_weight`)
+    and update with a clipped ratio; held-out reward every `eval_every` steps, a checkpoint every
+    `checkpoint_every`. Prompts per step and the reward model's weight are the algorithm's."""
+
+    prompts_per_step: int
+    reward_model_weight: float
+    rollout_replicas: int = 1  # rollout engines sampling side by side, each a share of the prompts
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    clip_eps: float = 0.2  # ε of the clipped ratio (Schulman et al. 2017)
+
+    def _problems(self) -> list[str]:
+        p = _above_zero(
+            self,
+            {
+                "prompts_per_step": "prompts sampled per step",
+                "rollout_replicas": "rollout engines",
+                "eval_every": "steps between held-out evaluations",
+                "checkpoint_every": "steps between checkpoints",
+            },
+        )
+        if not 0 < self.clip_eps < 1:
+            p.append(
+                f"{type(self).__name__}.clip_eps must be in (0, 1) (got {self.clip_eps}): the ratio is clipped "
+                "to [1 − ε, 1 + ε]"
+            )
+        if self.reward_model_weight < 0:
+            p.append(
+                f"{type(self).__name__}.reward_model_weight must be ≥ 0 (got {self.reward_model_weight}); "
+                "0 = the rule rewards only"
+            )
+        return p
+
+
+@dataclass(frozen=True)
+class Optimisation(_Part):
+    """The trained model's optimiser (AdamW through DeepSpeed) and the run's seed."""
+
+    lr: float = 5e-4  # full fine-tunes of the tiny demo models; the reward model overfit at 2e-3
+    seed: int = 0
+    zero_stage: int = 0
+
+    def _problems(self) -> list[str]:
+        p = _above_zero(self, {"lr": "the learning rate"})
+        if self.zero_stage not in (0, 1, 2):
+            p.append(
+                f"{type(self).__name__}.zero_stage must be 0, 1 or 2 (got {self.zero_stage}): each role holds a "
+                "whole model, ZeRO-3 parameter sharding needs several trainer ranks"
+            )
+        return p
+
+
+@dataclass(frozen=True)
+class Lengths(_Part):
+    """How long an example may be, and what happens to a longer one."""
+
+    max_length: int = 0  # tokens per example (prompt + max_new_tokens when sampling); 0 = the model's context
+    truncation: str = "refuse"  # refuse (DataError naming the example) | truncate (cut, counted)
+
+    def _problems(self) -> list[str]:
+        p = []
+        if self.truncation not in ("refuse", "truncate"):
+            p.append(
+                f"{type(self).__name__}.truncation must be 'refuse' or 'truncate' (got {self.truncation!r}): "
+                "what happens to an example longer than max_length"
+            )
+        if self.max_length < 0:
+            p.append(f"{type(self).__name__}.max_length must be ≥ 0 (got {self.max_length}); 0 = the model's context")
+        return p
+
+
+@dataclass(frozen=True)
+class Sampling(_Part):
+    """How the rollout samples completions (online DPO, GRPO, PPO)."""
+
+    max_new_tokens: int = MAX_NEW_TOKENS
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling; 1 = the whole distribution
+    rollout_engine: str = "raypai"  # ROLLOUT_ENGINES
+    # torch.compile raypai's decoding step on CPUs: about half the time per token on small models,
+    # after a compile of 10-30 s per batch shape in each rollout process (worth it for long runs)
+    compile_rollout: bool = False
+
+    def _problems(self) -> list[str]:
+        name = type(self).__name__
+        p = _above_zero(self, {"max_new_tokens": "tokens sampled after each prompt"})
+        if self.temperature < 0:
+            p.append(f"{name}.temperature must be ≥ 0 (got {self.temperature}); 0 = greedy")
+        if not 0 < self.top_p <= 1:
+            p.append(f"{name}.top_p must be in (0, 1] (got {self.top_p}); 1 = no nucleus cut")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            p.append(
+                f"{name}.rollout_engine {self.rollout_engine!r} is unknown; choose one of "
+                f"{', '.join(ROLLOUT_ENGINES)} ('hf' = transformers' generate, for models raypai's loop cannot "
+                "drive; 'vllm' = vLLM, installed with raypai[vllm])"
+            )
+        if self.compile_rollout and self.rollout_engine != "raypai":
+            p.append(
+                f"{name}.compile_rollout compiles raypai's own decoding step; it does not apply to "
+                f"rollout_engine {self.rollout_engine!r} (set rollout_engine='raypai' or compile_rollout=False)"
+            )
+        return p
+
+
+@dataclass(frozen=True)
+class Resources(_Part):
+    """Where the run's roles work."""
+
+    # share of one GPU for the run's roles: they take turns on it (`raypai.alignment.placement`), the
+    # trainer asleep (weights and optimizer state in host memory) while others work; 0 = CPUs
+    gpus: float = 0.0
+
+    def _problems(self) -> list[str]:
+        if 0 <= self.gpus <= 1:
+            return []
+        return [
+            f"{type(self).__name__}.gpus must be in [0, 1] (got {self.gpus:g}): the roles of a run share one "
+            "GPU and take turns on it (0 runs them on CPUs)"
+        ]
+
+
+# ---- one config per algorithm (bases last-first: see the module docstring) ----------------------
+@dataclass(frozen=True)
+class SFTConfig(Resources, Lengths, Optimisation, Batches):
     """Supervised fine-tuning: mean NLL of the response tokens only (prompt tokens are masked)."""
 
     steps: int = 200
     batch_size: int = 16
+    # SFT's own: it starts from a base model; the algorithms after it refine the SFT model with
+    # Optimisation's smaller 5e-4
     lr: float = 1e-3
-    zero_stage: int = 0
-    seed: int = 0
     log_every: int = 20
-    max_length: int = 0  # tokens per example; 0 = the model's context length
-    truncation: str = "refuse"  # refuse (DataError naming the example) | truncate (cut, counted)
     ptx_coef: float = 0.0  # weight of the pretraining LM loss mixed in when pretraining blocks are given
-    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
-    gpus: float = 0.0
 
-    def validate(self):
-        p = []
-        _positive(self, ("steps", "batch_size", "lr"), p)
-        if p:
-            raise ConfigError(p, what="SFT config")
-        return self
+    def _problems(self) -> list[str]:
+        return _above_zero(self, {"log_every": "steps between logged metrics"})
 
 
 @dataclass(frozen=True)
-class RewardModelConfig:
+class RewardModelConfig(Resources, Lengths, Optimisation, Batches):
     """Bradley–Terry reward model on the SFT model with a scalar head."""
 
     steps: int = 300
     batch_size: int = 32
-    lr: float = 5e-4  # full fine-tune of the SFT model; 2e-3 overfit the tiny models (held-out pairs 0.6 vs 0.8-0.9)
     margin: float = 0.0  # m in −log σ(r_w − r_l − m) (Llama 2 §3.2.2); 0 = plain Bradley–Terry
-    seed: int = 0
-    max_length: int = 0
-    truncation: str = "refuse"
-
-    def validate(self):
-        p = []
-        _positive(self, ("steps", "batch_size", "lr"), p)
-        if p:
-            raise ConfigError(p, what="reward model config")
-        return self
 
 
 @dataclass(frozen=True)
-class DPOConfig:
-    """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples)."""
+class DPOConfig(Resources, Sampling, Lengths, Optimisation, Batches):
+    """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples;
+    the sampling fields apply to online DPO only)."""
 
     steps: int = 100
     batch_size: int = 8
-    lr: float = 5e-4
     beta: float = 0.1  # Rafailov et al. 2023 and TRL's default
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     label_smoothing: float = 0.0  # ε of cDPO (sigmoid only): assumed probability that a label is flipped
     online: bool = False  # online DPO: sample `num_samples` per prompt, rank with Reward, best vs worst
     num_samples: int = 4
-    temperature: float = 1.0
-    max_new_tokens: int = 6
-    zero_stage: int = 0
-    seed: int = 0
-    rollout_engine: str = "raypai"  # online DPO's sampler: "raypai" | "hf" | "vllm"
-    compile_rollout: bool = False  # torch.compile raypai's decoding step (CPU); see GRPOConfig
-    max_length: int = 0
-    truncation: str = "refuse"
-    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
-    gpus: float = 0.0
 
-    def validate(self):
-        from raypai.alignment.losses import DPO_LOSSES  # here: building a config (a pipeline definition) needs no torch
+    def _problems(self) -> list[str]:
+        from raypai.alignment.losses import DPO_LOSSES  # here, not at import: importing configs needs no torch
 
-        p = []
-        _positive(self, ("steps", "batch_size", "lr", "beta"), p)
+        p = _above_zero(self, {"beta": "the strength of the implicit KL to the reference"})
         if self.loss_type not in DPO_LOSSES:
             p.append(f"DPOConfig.loss_type {self.loss_type!r} is unknown; choose one of {', '.join(DPO_LOSSES)}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -139,69 +268,33 @@ class DPOConfig:
                 f"DPOConfig.num_samples must be ≥ 2 for online DPO (got {self.num_samples}): "
                 "a pair needs two completions"
             )
-        if p:
-            raise ConfigError(p, what="DPO config")
-        return self
+        return p
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(Resources, Sampling, Lengths, Optimisation, RolloutLoop):
     """GRPO (Shao et al. 2024); defaults follow TRL's GRPOConfig where one exists."""
 
     steps: int = 30
     prompts_per_step: int = 8
+    reward_model_weight: float = 0.0  # a trained reward model (when given) adds to the rule reward only when asked
     group_size: int = 8
-    lr: float = 5e-4
-    clip_eps: float = 0.2  # ε of the clipped ratio
     clip_eps_high: float | None = None  # DAPO's clip-higher upper bound (None = ε); e.g. 0.28
     beta: float = 0.0  # k3 KL coefficient; TRL's current default is 0.0, DeepSeekMath used 0.04
     aggregation: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (token-mean, TRL's current default)
     inner_iterations: int = 1  # μ: updates per batch of rollouts, with the old log-probs kept fixed
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    zero_stage: int = 0
-    seed: int = 0
-    rollout_replicas: int = 1
-    rollout_engine: str = "raypai"  # "raypai" | "hf" | "vllm" (ROLLOUT_ENGINES)
-    # torch.compile raypai's decoding step on CPUs: about half the time per token on small models,
-    # after a compile of 10-30 s per batch shape in each rollout process (worth it for long runs)
-    compile_rollout: bool = False
-    reward_model_weight: float = 0.0  # weight of a trained reward model next to the rule reward
     # generate the next batch while this one trains: one step off-policy, ratio against the sampling weights
     async_rollout: bool = False
-    max_length: int = 0  # prompt + max_new_tokens must fit; 0 = the model's context length
-    truncation: str = "refuse"
     # torch threads of the trainer and of the rollout. 0 = placement's choice: synchronous runs
     # colocate the roles in one bundle and each phase (rollout, then update) owns all its CPUs;
     # async runs give each role its own bundle and 1 thread, as they work at the same time.
     train_threads: int = 0
     rollout_threads: int = 0
-    # GPUs of a synchronous run: 0 = every role on CPUs; g in (0, 1] = the trainer, rollout replicas
-    # and (with beta > 0) the reference share g of one GPU and take turns on it, the trainer asleep
-    # (weights and optimizer state in host memory) while the rollout samples
-    gpus: float = 0.0
 
-    def validate(self):
-        from raypai.alignment.losses import AGGREGATIONS  # as DPOConfig.validate
+    def _problems(self) -> list[str]:
+        from raypai.alignment.losses import AGGREGATIONS  # as in DPOConfig
 
-        p = []
-        _positive(
-            self,
-            (
-                "steps",
-                "prompts_per_step",
-                "lr",
-                "inner_iterations",
-                "max_new_tokens",
-                "eval_every",
-                "checkpoint_every",
-                "rollout_replicas",
-            ),
-            p,
-        )
+        p = _above_zero(self, {"inner_iterations": "updates per batch of rollouts"})
         if self.gpus and self.async_rollout:
             p.append(
                 "GRPOConfig.gpus with async_rollout=True is not supported: async rollout samples while the "
@@ -217,98 +310,57 @@ class GRPOConfig:
             )
         if self.aggregation not in AGGREGATIONS:
             p.append(f"GRPOConfig.aggregation {self.aggregation!r} is unknown; choose one of {', '.join(AGGREGATIONS)}")
-        if not 0 < self.clip_eps < 1:
-            p.append(f"GRPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
             p.append(
                 f"GRPOConfig.clip_eps_high ({self.clip_eps_high}) must be ≥ clip_eps ({self.clip_eps}): "
                 "it only widens the upper side of the trust region"
             )
         if self.beta < 0:
-            p.append(f"GRPOConfig.beta must be ≥ 0 (got {self.beta})")
-        if p:
-            raise ConfigError(p, what="GRPO config")
-        return self
+            p.append(f"GRPOConfig.beta must be ≥ 0 (got {self.beta}); 0 = no KL term (and no reference model)")
+        return p
 
 
 @dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(Resources, Sampling, Lengths, Optimisation, RolloutLoop):
     """RLHF PPO (Ouyang et al. 2022): defaults follow InstructGPT-style setups scaled to a tiny model."""
 
     steps: int = 30
     prompts_per_step: int = 16
-    lr: float = 5e-4
+    reward_model_weight: float = 1.0  # RLHF's reward is the trained reward model (when given)
     critic_lr: float = 1e-3
-    clip_eps: float = 0.2  # policy ratio clip (Schulman et al. 2017)
     value_clip: float = 0.2  # value clip around the rollout-time values (PPO2)
     kl_coef: float = 0.05  # β of the per-token KL penalty in the reward
     gamma: float = 1.0  # no discount inside one completion, as in RLHF practice
     lam: float = 0.95  # GAE λ
     ppo_epochs: int = 2  # μ: updates per batch of rollouts
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    zero_stage: int = 0
-    seed: int = 0
-    rollout_replicas: int = 1
-    rollout_engine: str = "raypai"  # "raypai" | "hf" | "vllm" (ROLLOUT_ENGINES)
-    compile_rollout: bool = False  # torch.compile raypai's decoding step (CPU); see GRPOConfig
-    reward_model_weight: float = 1.0  # weight of the trained reward model (when given) next to the rule reward
-    max_length: int = 0
-    truncation: str = "refuse"
-    # share of one GPU for the run's roles (they take turns on it; `raypai.alignment.placement`); 0 = CPUs
-    gpus: float = 0.0
 
-    def validate(self):
-        p = []
-        _positive(
+    def _problems(self) -> list[str]:
+        p = _above_zero(
             self,
-            (
-                "steps",
-                "prompts_per_step",
-                "lr",
-                "critic_lr",
-                "ppo_epochs",
-                "max_new_tokens",
-                "eval_every",
-                "checkpoint_every",
-                "rollout_replicas",
-                "value_clip",
-            ),
-            p,
+            {
+                "critic_lr": "the critic's learning rate",
+                "ppo_epochs": "updates per batch of rollouts",
+                "value_clip": "the clip around the rollout-time values",
+            },
         )
-        if not 0 < self.clip_eps < 1:
-            p.append(f"PPOConfig.clip_eps must be in (0, 1) (got {self.clip_eps})")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             p.append(
                 f"PPOConfig.gamma and lam must be in [0, 1] (got {self.gamma}, {self.lam}): they are discount "
                 "factors of GAE"
             )
         if self.kl_coef < 0:
-            p.append(f"PPOConfig.kl_coef must be ≥ 0 (got {self.kl_coef})")
-        if p:
-            raise ConfigError(p, what="PPO config")
-        return self
-
-
-CONFIGS = {
-    "sft": SFTConfig,
-    "reward_model": RewardModelConfig,
-    "dpo": DPOConfig,
-    "online_dpo": DPOConfig,
-    "grpo": GRPOConfig,
-    "ppo": PPOConfig,
-}
+            p.append(f"PPOConfig.kl_coef must be ≥ 0 (got {self.kl_coef}); 0 = no KL penalty")
+        return p
 
 
 def from_dict(algo: str, values: dict):
-    """The validated config of `algo` from a plain dict (a YAML/JSON file's content), read by the
-    core's `parse_config`: unknown options (with the close match), wrong types and invalid values
-    reported together; numbers written as text ("3e-3", which YAML 1.1 leaves a string) read as numbers."""
-    if algo not in CONFIGS:
-        raise ConfigError([f"unknown algorithm {algo!r}; choose one of {', '.join(CONFIGS)}"], what="alignment config")
-    if algo == "online_dpo":
-        values = {**values, "online": True}
-    return parse_config(CONFIGS[algo], values, what=f"{algo} config ({CONFIGS[algo].__name__})")
+    """The checked config of `algo` (a name in `raypai.alignment.algorithms.ALGORITHMS`) from a plain
+    dict (a YAML/JSON file's content), read by the core's `parse_config`: unknown options (with the
+    close match), wrong types and invalid values reported together; numbers written as text ("3e-3",
+    which YAML 1.1 leaves a string) read as numbers. The values an algorithm implies (online DPO:
+    online=True) are set on top."""
+    from raypai.alignment.algorithms import get  # the registry imports this module
+
+    entry = get(algo, what="alignment config")
+    values = {**values, **entry.implies}
+    return parse_config(entry.config, values, what=f"{algo} config ({entry.config.__name__})")

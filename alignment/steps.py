@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from raypai import Artifact, StepContext, pipeline, step
+from raypai.alignment import algorithms as A
 from raypai.alignment import config as C
 from raypai.alignment import data as D
 
@@ -26,12 +27,21 @@ ROWS_FILE = "rows.jsonl"
 
 
 def _cfg(algo: str, value):
-    """The algorithm's validated config from a dataclass, a dict of its fields, or None (defaults)."""
-    if value is None:
-        return C.from_dict(algo, {})
-    if isinstance(value, dict):
-        return C.from_dict(algo, value)
-    return value.validate()
+    """The algorithm's config from a dataclass (checked when it was built), a dict of its fields, or
+    None (defaults); with the values the algorithm's name implies (online DPO: online=True)."""
+    if value is None or isinstance(value, dict):
+        return C.from_dict(algo, value or {})
+    entry = A.get(algo)
+    if not isinstance(value, entry.config):
+        from raypai.errors import ConfigError
+
+        raise ConfigError(
+            [f"the {algo} step takes a {entry.config.__name__} or a dict of its fields (got {type(value).__name__})"],
+            what=f"{algo} step",
+        )
+    if any(getattr(value, k) != v for k, v in entry.implies.items()):
+        value = dataclasses.replace(value, **entry.implies)
+    return value
 
 
 def _examples(data: Artifact, eval_data: Artifact | None, kind: str, eval_fraction: float, seed: int):
@@ -41,18 +51,67 @@ def _examples(data: Artifact, eval_data: Artifact | None, kind: str, eval_fracti
     return D.split(train, eval_fraction, seed)
 
 
-def _save_model(ctx: StepContext, out, name: str, metrics: dict, parents: dict[str, Artifact]) -> Artifact:
-    ctx.log_metrics(metrics)
-    return ctx.save(
-        out,
-        kind="model",
-        name=name,
-        metadata={"metrics": metrics, "parents": {k: a.id for k, a in parents.items() if a is not None}},
+def _train(ctx: StepContext, algo: str, model: Artifact, train, held, cfg, parents: dict, **inputs) -> Artifact:
+    """What every model step does: run the algorithm's driver (`algorithms.run`) on `model` into the
+    step's output folder, then log the metrics and save the model artifact, its lineage `parents`."""
+    entry = A.get(algo)
+    lineage = {k: a.id for k, a in parents.items() if a is not None}
+    out = ctx.output_dir(algo)
+    metrics = A.run(
+        algo,
+        str(model.local_path()),
+        str(out),
+        train,
+        held,
+        cfg,
+        run_name=f"{algo}-{ctx.step_run_id[:8]}",
+        logger=_StepLogger(ctx, cfg.steps),
+        lineage=lineage,
+        checkpoint_dir=str(ctx.work_dir("checkpoints")) if entry.checkpoints else None,
+        **inputs,
     )
+    ctx.log_metrics(metrics)
+    return ctx.save(out, kind="model", name=entry.artifact, metadata={"metrics": metrics, "parents": lineage})
 
 
-def _lineage(**arts) -> dict:
-    return {k: a.id for k, a in arts.items() if a is not None}
+def _on_examples(ctx: StepContext, algo: str, model: Artifact, model_role: str, data, eval_data, config, eval_fraction):
+    """A model step that trains on rows of the algorithm's data kind (SFT, reward model, DPO)."""
+    cfg = _cfg(algo, config)
+    train, held = _examples(data, eval_data, A.get(algo).data, eval_fraction, cfg.seed)
+    return _train(ctx, algo, model, train, held, cfg, {model_role: model, "data": data, "eval_data": eval_data})
+
+
+def _on_prompts(
+    ctx: StepContext,
+    algo: str,
+    sft_model: Artifact,
+    prompts: Artifact,
+    eval_prompts: Artifact | None,
+    config,
+    eval_fraction: float,
+    *,
+    rewards: list[str] | None,
+    reward_model: Artifact | None = None,
+    eval_pairs: Artifact | None = None,
+) -> Artifact:
+    """A model step that samples from prompt rows, scored by `rewards` (online DPO, GRPO, PPO)."""
+    cfg = _cfg(algo, config)
+    if reward_model is None and getattr(cfg, "reward_model_weight", 0):
+        cfg = dataclasses.replace(cfg, reward_model_weight=0.0)  # no reward model to weigh
+    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
+    inputs = {
+        "rewards": list(rewards or []),
+        "reward_model_dir": str(reward_model.local_path()) if reward_model else None,
+        "eval_pairs": D.load(eval_pairs, "preference", name=f"dataset {eval_pairs.name}") if eval_pairs else None,
+    }
+    parents = {
+        "sft_model": sft_model,
+        "reward_model": reward_model,
+        "prompts": prompts,
+        "eval_pairs": eval_pairs,
+        "eval_prompts": eval_prompts,
+    }
+    return _train(ctx, algo, sft_model, train, held, cfg, parents, **inputs)
 
 
 class _StepLogger:
@@ -133,8 +192,6 @@ def sft(
 ) -> Artifact:
     """SFT on `data` (messages or prompt/completion rows). `ptx_shards` (token shards) with
     config.ptx_coef > 0 mixes pretraining blocks into every step so SFT keeps what pretraining learned."""
-    from raypai.alignment.sft import run_sft
-
     cfg = _cfg("sft", config)
     train, held = _examples(data, eval_data, "sft", eval_fraction, cfg.seed)
     blocks = None
@@ -142,25 +199,8 @@ def sft(
         from raypai.train.data import load_blocks
 
         _, blocks = load_blocks(ptx_shards.local_path(), "train")
-    out = ctx.output_dir("sft")
-    m = run_sft(
-        str(base_model.local_path()),
-        str(out),
-        train,
-        held,
-        cfg,
-        run_name=f"sft-{ctx.step_run_id[:8]}",
-        logger=_StepLogger(ctx, cfg.steps),
-        lineage=_lineage(base_model=base_model, data=data, eval_data=eval_data),
-        ptx_blocks=blocks,
-    )
-    return _save_model(
-        ctx,
-        out,
-        "sft_model",
-        m,
-        {"base_model": base_model, "data": data, "eval_data": eval_data, "ptx_shards": ptx_shards},
-    )
+    parents = {"base_model": base_model, "data": data, "eval_data": eval_data, "ptx_shards": ptx_shards}
+    return _train(ctx, "sft", base_model, train, held, cfg, parents, ptx_blocks=blocks)
 
 
 @step(cpus=0.5)
@@ -173,21 +213,7 @@ def reward_model(
     eval_fraction: float = 0.1,
 ) -> Artifact:
     """A Bradley–Terry reward model (scalar head on the SFT model) from preference rows."""
-    from raypai.alignment.reward_model import train_reward_model
-
-    cfg = _cfg("reward_model", config)
-    train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
-    out = ctx.output_dir("rm")
-    m = train_reward_model(
-        str(sft_model.local_path()),
-        str(out),
-        train,
-        held,
-        cfg,
-        run_name=f"rm-{ctx.step_run_id[:8]}",
-        logger=_StepLogger(ctx, cfg.steps),
-    )
-    return _save_model(ctx, out, "reward_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
+    return _on_examples(ctx, "reward_model", sft_model, "sft_model", data, eval_data, config, eval_fraction)
 
 
 @step(cpus=0.5)
@@ -200,22 +226,7 @@ def dpo(
     eval_fraction: float = 0.1,
 ) -> Artifact:
     """Offline DPO (sigmoid / IPO / hinge, label smoothing) on preference rows."""
-    from raypai.alignment.dpo import run_dpo
-
-    cfg = _cfg("dpo", config)
-    train, held = _examples(data, eval_data, "preference", eval_fraction, cfg.seed)
-    out = ctx.output_dir("dpo")
-    m = run_dpo(
-        str(sft_model.local_path()),
-        str(out),
-        train,
-        held,
-        cfg,
-        run_name=f"dpo-{ctx.step_run_id[:8]}",
-        logger=_StepLogger(ctx, cfg.steps),
-        lineage=_lineage(sft_model=sft_model, data=data, eval_data=eval_data),
-    )
-    return _save_model(ctx, out, "aligned_model", m, {"sft_model": sft_model, "data": data, "eval_data": eval_data})
+    return _on_examples(ctx, "dpo", sft_model, "sft_model", data, eval_data, config, eval_fraction)
 
 
 @step(cpus=0.5)
@@ -231,31 +242,16 @@ def online_dpo(
 ) -> Artifact:
     """Online DPO: `num_samples` completions per prompt ranked by `rewards` (import paths), best vs
     worst; preference accuracy measured on `eval_pairs`."""
-    from raypai.alignment.dpo import run_dpo
-
-    cfg = _cfg("online_dpo", config)
-    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
-    pairs = D.load(eval_pairs, "preference", name=f"dataset {eval_pairs.name}")
-    out = ctx.output_dir("odpo")
-    m = run_dpo(
-        str(sft_model.local_path()),
-        str(out),
-        [],
-        pairs,
-        cfg,
-        prompts=train,
-        held_out=held,
-        rewards=list(rewards or []),
-        run_name=f"odpo-{ctx.step_run_id[:8]}",
-        logger=_StepLogger(ctx, cfg.steps),
-        lineage=_lineage(sft_model=sft_model, prompts=prompts, eval_pairs=eval_pairs),
-    )
-    return _save_model(
+    return _on_prompts(
         ctx,
-        out,
-        "aligned_model",
-        m,
-        {"sft_model": sft_model, "prompts": prompts, "eval_pairs": eval_pairs, "eval_prompts": eval_prompts},
+        "online_dpo",
+        sft_model,
+        prompts,
+        eval_prompts,
+        config,
+        eval_fraction,
+        rewards=rewards,
+        eval_pairs=eval_pairs,
     )
 
 
@@ -272,30 +268,8 @@ def grpo(
 ) -> Artifact:
     """GRPO on prompt rows with `rewards` (import paths 'pkg.mod:fn[=weight]'; extra columns of the
     rows reach them) plus the reward model, weighted by config.reward_model_weight, when given."""
-    from raypai.alignment.grpo import run_grpo
-
-    cfg = _cfg("grpo", config)
-    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
-    out = ctx.output_dir("grpo")
-    m = run_grpo(
-        str(sft_model.local_path()),
-        str(out),
-        train,
-        held,
-        cfg,
-        run_name=f"grpo-{ctx.step_run_id[:8]}",
-        rewards=list(rewards or []),
-        reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-        checkpoint_dir=str(ctx.work_dir("checkpoints")),
-        logger=_StepLogger(ctx, cfg.steps),
-        lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts),
-    )
-    return _save_model(
-        ctx,
-        out,
-        "aligned_model",
-        m,
-        {"sft_model": sft_model, "reward_model": reward_model, "prompts": prompts, "eval_prompts": eval_prompts},
+    return _on_prompts(
+        ctx, "grpo", sft_model, prompts, eval_prompts, config, eval_fraction, rewards=rewards, reward_model=reward_model
     )
 
 
@@ -311,32 +285,8 @@ def ppo(
     eval_fraction: float = 0.1,
 ) -> Artifact:
     """PPO with a critic (initialised from the reward model when given), `rewards` and the reward model."""
-    from raypai.alignment.ppo import run_ppo
-
-    cfg = _cfg("ppo", config)
-    if reward_model is None and cfg.reward_model_weight:
-        cfg = dataclasses.replace(cfg, reward_model_weight=0.0)  # no reward model to weigh
-    train, held = _examples(prompts, eval_prompts, "prompt", eval_fraction, cfg.seed)
-    out = ctx.output_dir("ppo")
-    m = run_ppo(
-        str(sft_model.local_path()),
-        str(out),
-        train,
-        held,
-        cfg,
-        run_name=f"ppo-{ctx.step_run_id[:8]}",
-        rewards=list(rewards or []),
-        reward_model_dir=str(reward_model.local_path()) if reward_model else None,
-        checkpoint_dir=str(ctx.work_dir("checkpoints")),
-        logger=_StepLogger(ctx, cfg.steps),
-        lineage=_lineage(sft_model=sft_model, reward_model=reward_model, prompts=prompts),
-    )
-    return _save_model(
-        ctx,
-        out,
-        "aligned_model",
-        m,
-        {"sft_model": sft_model, "reward_model": reward_model, "prompts": prompts, "eval_prompts": eval_prompts},
+    return _on_prompts(
+        ctx, "ppo", sft_model, prompts, eval_prompts, config, eval_fraction, rewards=rewards, reward_model=reward_model
     )
 
 
@@ -349,7 +299,7 @@ def evaluate(
     metric: str = "held_out_reward",
     rewards: list[str] | None = None,
     reward_model: Artifact | None = None,
-    max_new_tokens: int = 16,
+    max_new_tokens: int = C.MAX_NEW_TOKENS,
     min_delta: float = 0.0,
     shards: Artifact | None = None,
 ) -> dict:

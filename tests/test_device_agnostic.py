@@ -49,12 +49,23 @@ def _cases(t, mask):
             ("unscaled", lambda: L.grpo_advantages(t(B), 2, scale=False)),
         ],
         "k3_kl": [("", lambda: L.k3_kl(lp, ref))],
-        "aggregate": [(mode, lambda mode=mode: L.aggregate(lp, mask, mode, max_len=T)) for mode in L.AGGREGATIONS],
+        "aggregate": [
+            (mode, lambda mode=mode: L.aggregate(lp, mask, mode, max_new_tokens=T)) for mode in L.AGGREGATIONS
+        ],
         "grpo_loss": [
             (
                 f"{mode} ref={r is not None}",
                 lambda mode=mode, r=r: L.grpo_loss(
-                    lp, old, r, t(B), mask, clip_eps=0.2, clip_eps_high=0.28, beta=0.04, aggregation=mode, max_len=T
+                    lp,
+                    old,
+                    r,
+                    t(B),
+                    mask,
+                    clip_eps=0.2,
+                    clip_eps_high=0.28,
+                    beta=0.04,
+                    aggregation=mode,
+                    max_new_tokens=T,
                 ),
             )
             for mode in L.AGGREGATIONS

@@ -7,7 +7,7 @@ Schulman 2020, "Approximating KL divergence"): KL ≈ e^(ref−π) − (ref−π
 Aggregation modes (the names TRL's `loss_type` uses):
   grpo    — mean over each sequence's tokens, then over sequences (eq. 3 as written)
   bnpo    — mean over all completion tokens of the batch
-  dr_grpo — sum over tokens / (B · max_len) (Liu et al. 2025, "Understanding R1-Zero-like training", Dr. GRPO)
+  dr_grpo — sum over tokens / (B · max_new_tokens) (Liu et al. 2025, "Understanding R1-Zero-like training", Dr. GRPO)
   dapo    — token-mean over the batch (Yu et al. 2025, DAPO eq. 8); within one batch it equals bnpo
 """
 
@@ -38,15 +38,18 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss with a (B, T) 0/1 mask to a scalar."""
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_new_tokens: int | None = None
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss with a (B, T) 0/1 mask to a scalar. `max_new_tokens`: dr_grpo's
+    constant length (the config's sampling limit); None = T."""
     mask = mask.to(per_token.dtype)
     if mode == "grpo":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     if mode in ("bnpo", "dapo"):
         return masked_mean(per_token, mask)
     if mode == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.shape[0] * (max_len or per_token.shape[1]))
+        return (per_token * mask).sum() / (per_token.shape[0] * (max_new_tokens or per_token.shape[1]))
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}")
 
 
@@ -61,7 +64,7 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     beta: float = 0.0,
     aggregation: str = "grpo",
-    max_len: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """logp/old_logp/ref_logp/mask: (B, T) over completion tokens; advantages: (B,).
     Returns (scalar loss, {"clip_fraction", "kl"}) — the stats as detached 0-d tensors on the inputs'
@@ -72,6 +75,6 @@ def grpo_loss(
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     if beta:
         per_token = per_token + beta * kl
-    loss = aggregate(per_token, mask, aggregation, max_len)
+    loss = aggregate(per_token, mask, aggregation, max_new_tokens)
     stats = {"clip_fraction": masked_mean(clipped.to(logp.dtype), mask).detach(), "kl": masked_mean(kl.detach(), mask)}
     return loss, stats

@@ -119,7 +119,7 @@ class Rollout:
         prompts: list,
         *,
         n: int = 1,
-        max_new_tokens: int = 8,
+        max_new_tokens: int,  # no default here: the config's (`raypai.alignment.config.MAX_NEW_TOKENS`)
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop: tuple[str, ...] = (),
@@ -138,8 +138,8 @@ class Rollout:
         threads = torch.get_num_threads()
         if self.device.type == "cpu":
             # the whole call (prefill, decoding, padding, log-probs) on the threads its decoding step
-            # is worth: below the grain a second thread costs more than it saves (1 × 8 on a
-            # 0.8M-parameter Llama, colocated with its trainer: 9.7 ms a call on 1 thread, 11.3 on 2)
+            # is worth: below the grain a second thread costs more than it saves
+            # (benchmarks/history/asides.md)
             torch.set_num_threads(cpu_threads(2 * len(prompt_ids) * self.n_params, STEP_FLOPS_PER_THREAD, threads))
         try:
             return self._generate(prompt_ids, stops, max_new_tokens, temperature, top_p, logprobs)

@@ -113,8 +113,8 @@ def parse_config(cls, mapping: Mapping | None, *, what: str, validate: bool = Tr
     """An instance of dataclass `cls` from `mapping`, or one ConfigError with every problem.
 
     Nested dataclass fields take a nested mapping (their problems are named `model.hidden`).
-    With `validate=True` and a `cls.validate()` that raises ConfigError (returning the instance),
-    its problems join the type problems in the same error."""
+    Problems a `__post_init__` raises as a ConfigError join the type problems in the same error, and
+    so, with `validate=True`, do those of a `cls.validate()` that raises one (returning the instance)."""
     problems: list[str] = []
     obj = _parse(cls, mapping if mapping is not None else {}, "", problems)
     if validate and obj is not None and hasattr(obj, "validate"):
@@ -162,6 +162,9 @@ def _parse(cls, mapping, prefix: str, problems: list[str]):
         return None
     try:
         return cls(**values)
+    except ConfigError as err:  # a __post_init__ that checks the values: its problems join the others
+        problems += err.problems
+        return None
     except (TypeError, ValueError) as exc:  # a __post_init__ that refuses a combination
         problems.append(f"{prefix or cls.__name__ + ': '}{exc}")
         return None

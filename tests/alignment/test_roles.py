@@ -70,7 +70,9 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
         shm = sync_weights(policy, [rollout])
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
         assert shm["sync_bytes"] == stats["sync_bytes"]
-        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2  # the trainer's update count
+        assert (
+            ray.get(rollout.generate.remote(["1+2="], n=1, max_new_tokens=8))["weights_version"] == 2
+        )  # the trainer's update count
         path, version, live = ray.get(policy.write_shared.remote())
         assert (
             version == 2 and not live and not os.path.exists(path)
@@ -86,7 +88,7 @@ def test_roles_are_separate_named_actors_and_weight_sync_is_exact(ray_align, tin
             comp = seq[m.index(1) :]
             assert not stop_ids & set(comp[:-1])  # nothing generated after the first stop token
         with pytest.raises(ray.exceptions.RayTaskError, match="not a single token"):
-            ray.get(rollout.generate.remote(["1+2="], stop=("no such token",)))
+            ray.get(rollout.generate.remote(["1+2="], max_new_tokens=8, stop=("no such token",)))
 
         scores = ray.get(reward.score.remote(["1+2=", "3+4="], ["3", "8"], {"answer": [3, 7]}))
         assert scores["exact_match_reward"] == [1.0, 0.0] and scores["total"] == pytest.approx([1.05, 0.05])
@@ -130,7 +132,7 @@ def test_a_sync_queued_behind_a_busy_replica_is_not_overtaken_by_the_next_one(ra
         assert wait_loads(first) == wait_loads(second)  # each load took the version it was sent
         trained = ray.get(policy.logprobs.remote(batch))
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained, atol=0, rtol=0)
-        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2
+        assert ray.get(rollout.generate.remote(["1+2="], n=1, max_new_tokens=8))["weights_version"] == 2
     finally:
         place.shutdown()
 
@@ -140,7 +142,7 @@ def _clip_now(trainer, batch):
     from raypai.train.clipping import clip
 
     m = batch["response_mask"]
-    lp = trainer._lp(batch, m)
+    lp = trainer._forward.logprobs(batch, m)
     trainer.engine.backward(-(lp * m).sum() / m.sum())
     clip(trainer.engine, trainer.engine.raypai_max_norm)
     after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.engine.module.parameters()]))
@@ -215,7 +217,7 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         # a second update reaches the replica with no copy: its next sample is from update 2, exactly
         ray.get(policy.update.remote(SFT(), {"seq": batch}))
         trained2 = ray.get(policy.logprobs.remote(batch))
-        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 2
+        assert ray.get(rollout.generate.remote(["1+2="], n=1, max_new_tokens=8))["weights_version"] == 2
         torch.testing.assert_close(ray.get(rollout.logprobs.remote(batch)), trained2, atol=0, rtol=0)
         path, version, live = ray.get(policy.write_shared.remote())
         assert (version, live) == (2, True)
@@ -227,14 +229,14 @@ def test_live_shared_parameters_sync_by_version_alone_and_stay_exact(ray_align, 
         assert loads == [stats["sync_bytes"]]
         ray.get(policy.update.remote(SFT(), {"seq": batch}))
         assert sync_weights(policy, [rollout])["sync_bytes"] == stats["sync_bytes"]
-        assert ray.get(rollout.generate.remote(["1+2="], n=1))["weights_version"] == 3
+        assert ray.get(rollout.generate.remote(["1+2="], n=1, max_new_tokens=8))["weights_version"] == 3
         torch.testing.assert_close(
             ray.get(rollout.logprobs.remote(batch)), ray.get(policy.logprobs.remote(batch)), atol=0, rtol=0
         )
         # and a replica that samples while the trainer writes an update is refused
         ray.get(policy.__ray_call__.remote(lambda self: self._shared.stamp(-1)))
         with pytest.raises(ray.exceptions.RayTaskError, match="being written by the trainer"):
-            ray.get(rollout.generate.remote(["1+2="], n=1))
+            ray.get(rollout.generate.remote(["1+2="], n=1, max_new_tokens=8))
     finally:
         place.shutdown()
 
@@ -297,7 +299,7 @@ def test_gpu_replicas_take_the_trainers_weights_in_their_own_dtype_exactly(ray_a
         # trainer is awake for its next update (the moving itself: tests/alignment/test_offload.py on CUDA)
         with asleep([policy], on_gpu=True) as offload:
             assert offload == {"offload_bytes": 0, "offload_seconds": 0.0}
-            ray.get(rollout.generate.remote(["1+2="], n=2))
+            ray.get(rollout.generate.remote(["1+2="], n=2, max_new_tokens=8))
         assert ray.get(policy.update.remote(SFT(), {"seq": batch}))["grad_norm"] > 0
         assert ray.get(policy.wake.remote()) == 0.0
     finally:
