@@ -31,13 +31,12 @@ def rl_inputs(
     *,
     rewards=None,
     reward_model_dir: str | None = None,
-    reward_model_weight: float = 0.0,
 ) -> RLInputs:
     """The checks of a run that samples from prompts (GRPO, PPO, online DPO), all before any actor
     starts: a causal LM, a reward, training and held-out prompts that fit with `max_new_tokens`."""
     check_causal_lm(model_dir)
     reward_fns = resolve(rewards)
-    use_rm = bool(reward_model_dir and reward_model_weight)
+    use_rm = bool(reward_model_dir and getattr(cfg, "reward_model_weight", 0.0))
     if not reward_fns and not use_rm:
         fix = "and/or a reward model with reward_model_weight > 0" if algo != "online DPO" else "to rank them"
         raise ConfigError(
@@ -57,11 +56,26 @@ def rl_inputs(
     return RLInputs(fmt, trunc, reward_fns, use_rm, fmt.tok.pad_token_id)
 
 
+def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None) -> int:
+    """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
+    replicas get the restored weights); returns the step to continue from (0: a fresh run)."""
+    from raypai.alignment.checkpoint import load_run
+    from raypai.alignment.sync import sync_weights
+
+    if not checkpoint_dir:
+        return 0
+    start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
+    if start:
+        sync_weights(policy, rollouts)
+        print(f"[raypai.{algo}] resumed from {checkpoint_dir} at step {start}", flush=True)
+    return start
+
+
 class Run:
     """A driver's roles, from placement to shutdown:
 
         with Run("grpo", specs, colocate=..., logger=logger) as run:
-            [policy] = run.place("policy", Trainer, ...)
+            policy = run.place_policy(model_dir, cfg, ...)
             ...
             return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)
 
@@ -76,6 +90,35 @@ class Run:
 
     def place(self, role: str, cls, *args, **kwargs) -> list:
         return self.placement.place(role, cls, *args, **kwargs)
+
+    def place_policy(self, model_dir: str, cfg, **kwargs):
+        """The policy's Trainer, with the config's learning rate, ZeRO stage and seed."""
+        from raypai.alignment.roles import Trainer
+
+        [policy] = self.place("policy", Trainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, **kwargs)
+        return policy
+
+    def place_sampling(
+        self, model_dir: str, cfg, inputs: RLInputs, reward_model_dir: str | None, *, device: str, **rollout
+    ) -> tuple[list, object]:
+        """The rollout replicas (each its own sampling seed, so they draw different samples) and the
+        Reward actor (rule rewards, and the reward model when `inputs.use_rm`)."""
+        from raypai.alignment.roles import Reward, Rollout
+
+        rollouts = self.place(
+            "rollout",
+            Rollout,
+            model_dir,
+            engine=cfg.rollout_engine,
+            compiled=cfg.compile_rollout,
+            device=device,
+            gpu_share=self.placement.specs["rollout"].gpus,
+            per_replica=lambda i: {"seed": cfg.seed + i},
+            **rollout,
+        )
+        rm = reward_model_dir if inputs.use_rm else None
+        [reward] = self.place("reward", Reward, inputs.reward_fns, rm, cfg.reward_model_weight)
+        return rollouts, reward
 
     def finish(self, trained, out_dir: str, algorithm: str, cfg, summary: dict, lineage: dict | None) -> dict:
         meta = {"algorithm": algorithm, "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}

@@ -202,6 +202,18 @@ def throughput(history: list[dict]) -> float:
     return sum(h["samples"] for h in history) / seconds if seconds else 0.0
 
 
+def rl_summary(eval_before: float, eval_after: float, history: list[dict], keys) -> dict:
+    """An RL run's summary: the held-out reward before and after, the steps run, samples/s over the
+    whole run and the mean of each of `keys` over the steps."""
+    return {
+        "eval_reward_before": eval_before,
+        "eval_reward_after": eval_after,
+        "steps_run": len(history),
+        "samples_per_s": throughput(history),
+        **mean_of(history, keys),
+    }
+
+
 def mean_of(history: list[dict], keys) -> dict:
     """{"mean_<k>": average over the steps that logged k}."""
     out = {}

@@ -23,7 +23,7 @@ from raypai.alignment.losses import ChosenRejected, dpo_loss
 from raypai.alignment.losses.objectives import DPO
 from raypai.alignment.models import check_causal_lm, format_and_limit
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Trainer
+from raypai.alignment.roles import Reference
 from raypai.errors import ConfigError
 
 
@@ -113,9 +113,7 @@ def run_dpo(
     # the roles take turns (reference log-probs first, then the updates): one shared bundle, and each
     # role works with all of its CPUs
     with Run(run_name, specs, colocate=(tuple(specs),), logger=logger) as run:
-        [policy] = run.place(
-            "policy", Trainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, threads=threads, device=device
-        )
+        policy = run.place_policy(model_dir, cfg, threads=threads, device=device)
         [reference] = run.place("reference", Reference, model_dir, threads=threads, device=device)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)

@@ -23,27 +23,26 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, rl_inputs
+from raypai.alignment._driver import Run, resume, rl_inputs
 from raypai.alignment._loop import (
     Sections,
     asleep,
     collect,
     end_step,
     launch,
-    mean_of,
     response_length,
+    rl_summary,
     score_launched,
     scores_of,
-    throughput,
     to_tensor,
 )
-from raypai.alignment.checkpoint import load_run, save_run
+from raypai.alignment.checkpoint import save_run
 from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses.objectives import GRPO
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
-from raypai.alignment.sync import start_sync, sync_weights, wait_loads
+from raypai.alignment.roles import Reference
+from raypai.alignment.sync import start_sync, wait_loads
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
 
@@ -67,16 +66,7 @@ def run_grpo(
     `cfg.reward_model_weight` when `reward_model_dir` is given. Returns the summary (held-out reward
     of greedy completions before/after, samples/s and time split); the aligned policy is written to
     `out_dir` as an HF folder with `raypai.json`."""
-    inputs = rl_inputs(
-        "GRPO",
-        model_dir,
-        cfg,
-        train,
-        held_out,
-        rewards=rewards,
-        reward_model_dir=reward_model_dir,
-        reward_model_weight=cfg.reward_model_weight,
-    )
+    inputs = rl_inputs("GRPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
     # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
     # queried, beta > 0) the rest; the reward stays on CPUs
@@ -111,38 +101,25 @@ def run_grpo(
         # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
         # (on a GPU the replicas take each update as a bf16 copy through host shared memory)
-        [policy] = run.place(
-            "policy",
-            Trainer,
+        policy = run.place_policy(
             model_dir,
-            cfg.lr,
-            cfg.zero_stage,
-            cfg.seed,
+            cfg,
             threads=cfg.train_threads or shared,
             live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
             device=device["policy"],
             sync_dtype="bfloat16" if g else None,
         )
-        rollouts = run.place(
-            "rollout",
-            Rollout,
+        rollouts, reward = run.place_sampling(
             model_dir,
-            threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
-            engine=cfg.rollout_engine,
-            compiled=cfg.compile_rollout,
+            cfg,
+            inputs,
+            reward_model_dir,
             device=device["rollout"],
-            gpu_share=specs["rollout"].gpus,
-            per_replica=lambda i: {"seed": cfg.seed + i},
-        )  # replicas draw different samples
-        [reference] = run.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
-        [reward] = run.place(
-            "reward", Reward, inputs.reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
+            threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
         )
+        [reference] = run.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
         rng = random.Random(cfg.seed)
-        start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts) if checkpoint_dir else 0
-        if start:
-            sync_weights(policy, rollouts)
-            print(f"[raypai.grpo] resumed from {checkpoint_dir} at step {start}", flush=True)
+        start = resume("grpo", checkpoint_dir, rng, policy, rollouts)
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
@@ -264,12 +241,9 @@ def run_grpo(
             else:
                 record(step, finish(this))
         # the last step was waited for, its weight loads included: every replica has the final weights
-        summary = {
-            "eval_reward_before": eval_before,
-            "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-            "steps_run": len(history),
-            "samples_per_s": throughput(history),
-            **mean_of(history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)),
-            "sync_bytes": history[-1]["sync_bytes"] if history else 0,
-        }
+        eval_after = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
+        summary = rl_summary(
+            eval_before, eval_after, history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)
+        )
+        summary["sync_bytes"] = history[-1]["sync_bytes"] if history else 0
         return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)

@@ -29,7 +29,7 @@ from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected
 from raypai.alignment.losses.objectives import OnlineDPO
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
+from raypai.alignment.roles import Reference, Reward, Rollout
 from raypai.alignment.sync import start_sync, wait_loads
 from raypai.errors import ConfigError
 
@@ -70,13 +70,9 @@ def run_online_dpo(
     # sampling, scoring and updates take turns: one shared bundle, each role with all of its CPUs
     with Run(run_name, specs, colocate=(tuple(specs),), logger=logger) as run:
         # the replica reads the trainer's own parameters (they never work at the same time)
-        [policy] = run.place(
-            "policy",
-            Trainer,
+        policy = run.place_policy(
             model_dir,
-            cfg.lr,
-            cfg.zero_stage,
-            cfg.seed,
+            cfg,
             threads=threads,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,

@@ -18,28 +18,27 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, rl_inputs
+from raypai.alignment._driver import Run, resume, rl_inputs
 from raypai.alignment._loop import (
     Sections,
     asleep,
     collect,
     end_step,
     launch,
-    mean_of,
     response_length,
+    rl_summary,
     score_launched,
     scores_of,
-    throughput,
     to_tensor,
 )
-from raypai.alignment.checkpoint import load_run, save_run
+from raypai.alignment.checkpoint import save_run
 from raypai.alignment.config import LIVE_ENGINES, PPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import masked_mean
 from raypai.alignment.losses.objectives import PPOPolicy, PPOValue
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Reward, Rollout, Trainer
-from raypai.alignment.sync import start_sync, sync_weights, wait_loads
+from raypai.alignment.roles import Reference, Trainer
+from raypai.alignment.sync import start_sync, wait_loads
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
 
@@ -61,16 +60,7 @@ def run_ppo(
     """`train`/`held_out`: PromptExample lists; `rewards` as in run_grpo. Returns the summary
     (held-out reward before/after, mean losses and time split); the aligned policy is written to
     `out_dir`. The critic starts from the reward model when given."""
-    inputs = rl_inputs(
-        "PPO",
-        model_dir,
-        cfg,
-        train,
-        held_out,
-        rewards=rewards,
-        reward_model_dir=reward_model_dir,
-        reward_model_weight=cfg.reward_model_weight,
-    )
+    inputs = rl_inputs("PPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
     g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
     specs = {
@@ -90,13 +80,9 @@ def run_ppo(
     with Run(run_name, specs, colocate=(tuple(specs),) if g else (), logger=logger) as run:
         # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
         # on a GPU, a bf16 copy through host shared memory)
-        [policy] = run.place(
-            "policy",
-            Trainer,
+        policy = run.place_policy(
             model_dir,
-            cfg.lr,
-            cfg.zero_stage,
-            cfg.seed,
+            cfg,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,
             sync_dtype="bfloat16" if g else None,
@@ -111,27 +97,10 @@ def run_ppo(
             head="token_value",
             device=device,
         )  # a scalar per position; from the reward model, its score head carries over
-        rollouts = run.place(
-            "rollout",
-            Rollout,
-            model_dir,
-            engine=cfg.rollout_engine,
-            compiled=cfg.compile_rollout,
-            device=device,
-            gpu_share=specs["rollout"].gpus,
-            per_replica=lambda i: {"seed": cfg.seed + i},
-        )  # replicas draw different samples
+        rollouts, reward = run.place_sampling(model_dir, cfg, inputs, reward_model_dir, device=device)
         [reference] = run.place("reference", Reference, model_dir, device=device)
-        [reward] = run.place(
-            "reward", Reward, inputs.reward_fns, reward_model_dir if use_rm else None, cfg.reward_model_weight
-        )
         rng = random.Random(cfg.seed)
-        start = (
-            load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic) if checkpoint_dir else 0
-        )
-        if start:
-            sync_weights(policy, rollouts)
-            print(f"[raypai.ppo] resumed from {checkpoint_dir} at step {start}", flush=True)
+        start = resume("ppo", checkpoint_dir, rng, policy, rollouts, critic)
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         for step in range(start + 1, cfg.steps + 1):
@@ -215,11 +184,8 @@ def run_ppo(
                 logger=logger,
                 history=history,
             )
-        summary = {
-            "eval_reward_before": eval_before,
-            "eval_reward_after": reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens),
-            "steps_run": len(history),
-            "samples_per_s": throughput(history),
-            **mean_of(history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES)),
-        }
+        eval_after = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
+        summary = rl_summary(
+            eval_before, eval_after, history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES)
+        )
         return run.finish(policy, out_dir, "ppo", cfg, summary, lineage)

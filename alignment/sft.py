@@ -20,7 +20,6 @@ from raypai.alignment.config import SFTConfig
 from raypai.alignment.losses.objectives import SFT
 from raypai.alignment.models import check_causal_lm, format_and_limit
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Trainer
 from raypai.errors import DataError
 
 
@@ -66,16 +65,8 @@ def run_sft(
     pad_id = fmt.tok.pad_token_id
     objective = SFT(ptx_coef=cfg.ptx_coef)
     with Run(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)}, logger=logger) as run:
-        [policy] = run.place(
-            "policy",
-            Trainer,
-            model_dir,
-            cfg.lr,
-            cfg.zero_stage,
-            cfg.seed,
-            device="cuda" if cfg.gpus else "cpu",
-            dropout=True,
-        )  # the model's own, as in any fine-tuning
+        # dropout: the model's own, as in any fine-tuning
+        policy = run.place_policy(model_dir, cfg, device="cuda" if cfg.gpus else "cpu", dropout=True)
         before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
         for step in range(1, cfg.steps + 1):
