@@ -39,6 +39,7 @@ class Algorithm:
         return _load(self.step)
 
 
+# in the order a pipeline meets them: SFT, the reward model, then the aligners (GRPO, the demo's, first)
 ALGORITHMS = {
     "sft": Algorithm(
         config=SFTConfig,
@@ -53,23 +54,6 @@ ALGORITHMS = {
         driver="raypai.alignment.reward_model:train_reward_model",
         step="raypai.alignment.steps:reward_model",
         artifact="reward_model",
-    ),
-    "dpo": Algorithm(
-        config=DPOConfig,
-        data="preference",
-        driver="raypai.alignment.dpo:run_dpo",
-        step="raypai.alignment.steps:dpo",
-        artifact="aligned_model",
-    ),
-    "online_dpo": Algorithm(
-        config=DPOConfig,
-        data="prompt",
-        driver="raypai.alignment.online_dpo:run_online_dpo",
-        step="raypai.alignment.steps:online_dpo",
-        artifact="aligned_model",
-        rewards=True,
-        eval_pairs=True,
-        implies={"online": True},
     ),
     "grpo": Algorithm(
         config=GRPOConfig,
@@ -90,6 +74,23 @@ ALGORITHMS = {
         rewards=True,
         reward_model=True,
         checkpoints=True,
+    ),
+    "dpo": Algorithm(
+        config=DPOConfig,
+        data="preference",
+        driver="raypai.alignment.dpo:run_dpo",
+        step="raypai.alignment.steps:dpo",
+        artifact="aligned_model",
+    ),
+    "online_dpo": Algorithm(
+        config=DPOConfig,
+        data="prompt",
+        driver="raypai.alignment.online_dpo:run_online_dpo",
+        step="raypai.alignment.steps:online_dpo",
+        artifact="aligned_model",
+        rewards=True,
+        eval_pairs=True,
+        implies={"online": True},
     ),
 }
 

@@ -1,6 +1,6 @@
-"""finetune: what most users do first — an existing HF model → SFT on their chat data → DPO or GRPO
-with their reward → evaluate → register → deploy, with lineage from the served model back to the
-imported weights and the dataset files.
+"""finetune: what most users do first — an existing HF model → SFT on their chat data → DPO, or GRPO,
+PPO or online DPO with their reward → evaluate → register → deploy, with lineage from the served
+model back to the imported weights and the dataset files.
 
     python -m raypai.pipelines.finetune                       # a self-contained run: tiny Qwen2-style model + example files
     raypai run pipelines/finetune.py --param model_dir=./my-model --param sft_data=chats.jsonl \\
@@ -15,11 +15,15 @@ Data formats (docs/alignment.md): SFT `messages` or `prompt`/`completion`; prefe
 from __future__ import annotations
 
 from raypai import pipeline
-from raypai.alignment.steps import alignment_data, dpo, evaluate, grpo, import_model, sft
+from raypai.alignment.algorithms import ALGORITHMS
+from raypai.alignment.config import MAX_NEW_TOKENS
+from raypai.alignment.steps import alignment_data, evaluate, import_model, sft
 from raypai.errors import ConfigError
 from raypai.serving.steps import deploy, register
 
 EXAMPLE_REWARD = "raypai.alignment.tasks.arithmetic:exact_match_reward"
+# the algorithms that align the SFT model (the registry's rows whose step saves an aligned model)
+ALIGNERS = [name for name, a in ALGORITHMS.items() if a.artifact == "aligned_model"]
 
 
 @pipeline(name="finetune")
@@ -35,23 +39,25 @@ def finetune(
     sft_config: dict | None = None,
     align_config: dict | None = None,
     metric: str = "held_out_reward",
-    max_new_tokens: int = 16,
+    max_new_tokens: int = MAX_NEW_TOKENS,  # of the evaluation's greedy answers
     require_improvement: bool = True,
 ):
-    if algorithm not in ("dpo", "grpo"):
+    if algorithm not in ALIGNERS:
         raise ConfigError(
             [
-                f"algorithm {algorithm!r}: finetune runs 'dpo' (needs pref_data) or 'grpo' (needs "
-                "prompt_data and rewards)"
+                f"algorithm {algorithm!r}: finetune runs one of {', '.join(ALIGNERS)}, on pref_data (preference "
+                "rows) or prompt_data with rewards, as the algorithm trains"
             ],
             what="finetune parameters",
         )
-    if algorithm == "dpo" and not pref_data:
-        raise ConfigError(["algorithm 'dpo' needs pref_data=<preference file>"], what="finetune parameters")
-    if algorithm == "grpo" and not (prompt_data and rewards):
-        raise ConfigError(
-            ["algorithm 'grpo' needs prompt_data=<prompt file> and rewards=['pkg.mod:fn']"], what="finetune parameters"
-        )
+    algo = ALGORITHMS[algorithm]
+    problems = []
+    if (algo.data == "preference" or algo.eval_pairs) and not pref_data:
+        problems.append(f"algorithm {algorithm!r} needs pref_data=<preference file>")
+    if algo.data == "prompt" and not (prompt_data and rewards):
+        problems.append(f"algorithm {algorithm!r} needs prompt_data=<prompt file> and rewards=['pkg.mod:fn']")
+    if problems:
+        raise ConfigError(problems, what="finetune parameters")
     if metric in ("held_out_reward",) and not rewards:
         raise ConfigError(
             [
@@ -63,19 +69,15 @@ def finetune(
     base = import_model(path=model_dir, name=f"{name}-base", register_as=f"{name}-base")
     chats = alignment_data.named("sft_data")(sft_data, kind="sft", name="sft_data")
     sft_model = sft(base, chats, config=sft_config or {})
-    if algorithm == "dpo":
-        aligned = dpo(
-            sft_model,
-            alignment_data.named("preference_data")(pref_data, kind="preference", name="preference_data"),
-            config=align_config or {},
-        )
+    step = algo.load_step()
+    if algo.data == "preference" or algo.eval_pairs:
+        prefs = alignment_data.named("preference_data")(pref_data, kind="preference", name="preference_data")
+    if algo.data == "preference":
+        aligned = step(sft_model, prefs, config=align_config or {})
     else:
-        aligned = grpo(
-            sft_model,
-            alignment_data.named("prompt_data")(prompt_data, kind="prompt", name="prompt_data"),
-            rewards=rewards,
-            config=align_config or {},
-        )
+        prompts = alignment_data.named("prompt_data")(prompt_data, kind="prompt", name="prompt_data")
+        pairs = {"eval_pairs": prefs} if algo.eval_pairs else {}
+        aligned = step(sft_model, prompts, rewards=rewards, config=align_config or {}, **pairs)
     held = alignment_data.named("eval_data")(
         eval_prompts, kind="sft" if metric == "response_nll" else "prompt", name="eval_data"
     )

@@ -12,15 +12,20 @@ lineage from every answer back to the raw files.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from raypai import pipeline
-from raypai.alignment.config import DPOConfig, GRPOConfig, PPOConfig, RewardModelConfig, SFTConfig
-from raypai.alignment.steps import arithmetic_data, dpo, evaluate, grpo, online_dpo, ppo, reward_model, sft
+from raypai.alignment.algorithms import ALGORITHMS
+from raypai.alignment.config import RewardModelConfig, SFTConfig, from_dict
+from raypai.alignment.steps import arithmetic_data, evaluate, reward_model, sft
 from raypai.data.steps import clean, ingest, source, synth_corpus, tokenize, train_tokenizer
 from raypai.errors import ConfigError
 from raypai.serving.steps import deploy, register
 from raypai.train.steps import pretrain
 
-ALGORITHMS = ("grpo", "ppo", "dpo", "online_dpo")
+# the algorithms that align the SFT model (the registry's rows whose step saves an aligned model)
+ALIGNERS = [name for name, a in ALGORITHMS.items() if a.artifact == "aligned_model"]
 EXACT_MATCH = "raypai.alignment.tasks.arithmetic:exact_match_reward"  # the demo's reward, by import path
 
 
@@ -44,9 +49,9 @@ def tinychat(
     seed: int = 0,
     require_improvement: bool = True,
 ):
-    if algorithm not in ALGORITHMS:
+    if algorithm not in ALIGNERS:
         raise ConfigError(
-            [f"algorithm {algorithm!r} is not available in tinychat; choose one of {', '.join(ALGORITHMS)}"],
+            [f"algorithm {algorithm!r} is not available in tinychat; choose one of {', '.join(ALIGNERS)}"],
             what="tinychat parameters",
         )
     raw = source(raw_dir) if raw_dir else synth_corpus(docs=docs, seed=seed)
@@ -89,63 +94,42 @@ def tinychat(
         config=SFTConfig(steps=sft_steps, lr=sft_lr, ptx_coef=ptx_coef, seed=seed),
         ptx_shards=shards,
     )
+    algo = ALGORITHMS[algorithm]
     every = max(1, align_steps // 4)
-    if algorithm in ("grpo", "ppo"):
-        rm = reward_model(
-            sft_model,
-            arithmetic_data.named("preference_train_data")(kind="preference", split="train", seed=seed),
-            arithmetic_data.named("preference_eval_data")(kind="preference", split="eval", seed=seed),
-            config=RewardModelConfig(steps=rm_steps, seed=seed),
-        )
-        if algorithm == "grpo":
-            aligned = grpo(
-                sft_model,
-                prompts,
-                rewards=[EXACT_MATCH],
-                reward_model=rm,
-                eval_prompts=held_prompts,
-                config=GRPOConfig(
-                    steps=align_steps,
-                    prompts_per_step=16,
-                    reward_model_weight=0.2,
-                    max_new_tokens=4,
-                    eval_every=every,
-                    checkpoint_every=every,
-                    seed=seed,
-                ),
-            )
-        else:  # the critic starts from the reward model; the reward mixes rule and RM (0.2)
-            aligned = ppo(
-                sft_model,
-                prompts,
-                rewards=[EXACT_MATCH],
-                reward_model=rm,
-                eval_prompts=held_prompts,
-                config=PPOConfig(
-                    steps=align_steps,
-                    reward_model_weight=0.2,
-                    max_new_tokens=4,
-                    eval_every=every,
-                    checkpoint_every=every,
-                    seed=seed,
-                ),
-            )
-    elif algorithm == "dpo":
-        aligned = dpo(
-            sft_model,
-            arithmetic_data.named("preference_train_data")(kind="preference", split="train", seed=seed),
-            arithmetic_data.named("preference_eval_data")(kind="preference", split="eval", seed=seed),
-            config=DPOConfig(steps=align_steps, seed=seed),
-        )
+    # the demo's settings, each given to the algorithms whose config has the field: 4 new tokens
+    # hold the answer; the reward mixes the exact-match rule and a trained reward model (0.2), which
+    # also starts PPO's critic
+    demo = {
+        "steps": align_steps,
+        "seed": seed,
+        "prompts_per_step": 16,
+        "reward_model_weight": 0.2,
+        "max_new_tokens": 4,
+        "eval_every": every,
+        "checkpoint_every": every,
+    }
+    fields = {f.name for f in dataclasses.fields(algo.config)}
+    config = from_dict(algorithm, {k: v for k, v in demo.items() if k in fields})
+
+    @functools.cache  # one dataset node per split, however many inputs read it
+    def preferences(split: str):
+        return arithmetic_data.named(f"preference_{split}_data")(kind="preference", split=split, seed=seed)
+
+    step = algo.load_step()
+    if algo.data == "preference":
+        aligned = step(sft_model, preferences("train"), preferences("eval"), config=config)
     else:
-        aligned = online_dpo(
-            sft_model,
-            prompts,
-            arithmetic_data.named("preference_eval_data")(kind="preference", split="eval", seed=seed),
-            rewards=[EXACT_MATCH],
-            eval_prompts=held_prompts,
-            config=DPOConfig(steps=align_steps, online=True, max_new_tokens=4, seed=seed),
-        )
+        inputs = {"rewards": [EXACT_MATCH], "eval_prompts": held_prompts}
+        if algo.reward_model:
+            inputs["reward_model"] = reward_model(
+                sft_model,
+                preferences("train"),
+                preferences("eval"),
+                config=RewardModelConfig(steps=rm_steps, seed=seed),
+            )
+        if algo.eval_pairs:
+            inputs["eval_pairs"] = preferences("eval")
+        aligned = step(sft_model, prompts, config=config, **inputs)
     # the demo's metric: held-out exact match = mean exact-match reward of greedy answers
     evaluation = evaluate(
         aligned,
@@ -153,7 +137,7 @@ def tinychat(
         held_prompts,
         metric="held_out_reward",
         rewards=[EXACT_MATCH],
-        max_new_tokens=4,
+        max_new_tokens=demo["max_new_tokens"],
         shards=shards,
     )
     registered = register(aligned, name=name, evaluation=evaluation)
