@@ -220,20 +220,6 @@ def prompt_examples(rows: list[dict], name: str = "(rows)") -> list[PromptExampl
     return out
 
 
-def prompts_of(examples) -> list[PromptExample]:
-    """Prompt-only view of SFT or preference examples (e.g. held-out prompts for evaluation)."""
-    out = []
-    for e in examples:
-        if isinstance(e, PromptExample):
-            out.append(e)
-        elif isinstance(e, SFTExample) and e.messages is not None:
-            last = max(i for i, m in enumerate(e.messages) if m["role"] == "assistant")
-            out.append(PromptExample(e.messages[:last]))
-        else:
-            out.append(PromptExample(e.prompt))
-    return out
-
-
 def split(examples: list, eval_fraction: float = 0.1, seed: int = 0) -> tuple[list, list]:
     """A seeded (train, eval) split; eval gets at least one example."""
     if not 0 < eval_fraction < 1:

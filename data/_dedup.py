@@ -11,14 +11,15 @@ exact-dedup key string, or the MinHash signature, a fixed-size list of `num_perm
 
 **Outputs**, per part: `<work>/dedup/kept/<part>` (the rows every dedup op kept, in input order,
 without the key.* columns) and `<work>/dedup/dropped/<part>` (one drop record per removed row, in
-clean's DROP_SCHEMA, input order). The drops and keepers are those of clean's driver-side dedup:
-ops run in recipe order over the rows the earlier ones kept; keeper of a cluster = lowest doc_id;
-exact: "duplicate of <keeper>"; MinHash: the same LSH candidates (a document pairs with the first
-`fanout` lower doc_ids of its bucket, per band), the same verification (signature estimate, exact
-shingle Jaccard within `verify_margin` of the threshold), connected components of the verified
-edges, and each removed row's best verified pair (most similar; ties: the lowest partner above it,
-else the lowest below). Returns counters: dropped and worker seconds per op, candidates, verified
-edges and connected-component rounds per MinHash op, rows kept, units run by this call.
+clean's DROP_SCHEMA, input order). The drops and keepers are those of an in-process dedup
+(`MinHashDedup.find`; the oracle in tests/data/_oracles.py): ops run in recipe order over the rows
+the earlier ones kept; keeper of a cluster = lowest doc_id; exact: "duplicate of <keeper>"; MinHash:
+the same LSH candidates (a document pairs with the first `fanout` lower doc_ids of its bucket, per
+band), the same verification (signature estimate, exact shingle Jaccard within `verify_margin` of
+the threshold), connected components of the verified edges, and each removed row's best verified
+pair (most similar; ties: the lowest partner above it, else the lowest below). Returns counters:
+dropped and worker seconds per op, candidates, verified edges and connected-component rounds per
+MinHash op, rows kept, units run by this call.
 
 **Rounds** (R = `buckets` hash buckets; "→" names where a unit's records go):
 - exact: `map` (per part: (doc_id, key) → bucket crc32(key) mod R), `reduce` (per bucket: sort by

@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -224,8 +223,3 @@ def verify(pairs: np.ndarray, sigs: np.ndarray, threshold: float, margin: float,
     if near.any():
         sim[near] = exact(pairs[near])
     return sim >= threshold, sim, near
-
-
-def sd_of_estimate(s: float, num_perm: int) -> float:
-    """Standard deviation of the MinHash Jaccard estimate at similarity s (binomial, MMDS §3.3.3)."""
-    return math.sqrt(s * (1 - s) / num_perm)

@@ -272,9 +272,6 @@ class ChatFormat:
         trunc.truncated += 1
         return ids[: trunc.max_length], mask[: trunc.max_length]
 
-    def decode_completion(self, ids: list[int]) -> str:
-        return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
-
 
 def _agreeing(a: str, b: str) -> int:
     """Length of the longest common prefix of `a` and `b`."""

@@ -138,10 +138,6 @@ class Settings:
             dashboard=dashboard,
         )
 
-    def with_home(self, home: str | Path) -> "Settings":
-        """Embedded defaults re-rooted at another home (tests use this)."""
-        return Settings.load({"RAYPAI_HOME": str(home)})
-
     def replace(self, **changes) -> "Settings":
         return replace(self, **changes)
 

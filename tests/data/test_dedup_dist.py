@@ -1,5 +1,6 @@
 """Distributed, resumable dedup (raypai.data._dedup) on real Ray: the same drops and keepers as
-clean's driver-side dedup, and byte-identical outputs after a SIGKILL of the driver."""
+the driver-side dedup clean once ran (tests/data/_oracles.py), and byte-identical outputs after a
+SIGKILL of the driver."""
 
 import hashlib
 import json
@@ -21,11 +22,13 @@ import ray
 
 from raypai.data import clean, ingest, synth
 from raypai.data._dedup import FAULTS_ENV, DedupFaults, run_dedup
-from raypai.data.clean import DROP_SCHEMA, _dedup
+from raypai.data.clean import DROP_SCHEMA
 from raypai.data.ops.dedup import ExactDedup, MinHashDedup
 from raypai.data.recipe import is_dedup, load_recipe
 from raypai.data.synth import jaccard, prose
 from raypai.errors import DataError
+
+from ._oracles import driver_side_dedup
 
 FILES = 4
 BUCKETS = 3
@@ -73,11 +76,11 @@ def corpus(tmp_path_factory, ray_local):
 
 
 def _reference(work: Path, parts: list[str], ops: list) -> tuple[pa.Table, pa.Table]:
-    """clean's driver-side dedup over the same filtered rows: (kept rows, drop records)."""
+    """The driver-side dedup (the oracle) over the same filtered rows: (kept rows, drop records)."""
     kept = pa.concat_tables([pq.read_table(work / "kept" / p) for p in parts]).sort_by("doc_id")
     dropped = []
     for op in ops:
-        kept, gone = _dedup(kept, op)
+        kept, gone = driver_side_dedup(kept, op)
         dropped.append(gone)
     return kept, pa.concat_tables(dropped)
 
