@@ -77,3 +77,37 @@ def test_align_refuses_bad_data_and_bad_rewards_before_ray_starts(tmp_path):
     )
     assert out.returncode != 0 and "module 'no_such_pkg.rewards' does not import" in out.text
     assert "Started a local Ray" not in out.stderr
+
+
+def _align(algo, tmp_path, **given):
+    """`raypai align` as typer calls it (every option given), without a subprocess."""
+    from raypai.alignment.cli import align_command
+
+    options = dict(eval_data=None, reward=[], reward_model=None, pairs=None, config=None, eval_fraction=0.1)
+    return align_command(algo, str(tmp_path / "m"), str(tmp_path / "d.jsonl"), tmp_path / "out", **{**options, **given})
+
+
+def test_align_reads_the_algorithm_registry_and_refuses_inputs_an_algorithm_does_not_take(tmp_path):
+    """The names `raypai align` accepts are the registry's; an input the algorithm's row says it does
+    not take, or a missing one it needs, is refused before the model, the data or Ray is touched."""
+    import pytest
+    import ray
+
+    from raypai.alignment.algorithms import ALGORITHMS
+    from raypai.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _align("rlhf", tmp_path)
+    assert err.value.problems == [f"unknown algorithm 'rlhf'; choose one of {', '.join(ALGORITHMS)}"]
+    with pytest.raises(ConfigError) as err:
+        _align("sft", tmp_path, reward=["pkg.mod:fn"], reward_model="rm/", pairs="p.jsonl")
+    assert err.value.problems == [
+        "sft takes no --reward; leave it out",
+        "sft takes no --reward-model; leave it out",
+        "sft takes no --eval-pairs; leave it out",
+    ]
+    with pytest.raises(ConfigError, match="online_dpo takes no --reward-model"):
+        _align("online_dpo", tmp_path, reward=["pkg.mod:fn"], reward_model="rm/", pairs="p.jsonl")
+    with pytest.raises(ConfigError, match="online_dpo needs --eval-pairs"):
+        _align("online_dpo", tmp_path, reward=["pkg.mod:fn"])
+    assert not ray.is_initialized()

@@ -158,3 +158,87 @@ def test_the_configs_import_without_torch_and_check_the_losses_names():
         config.DPOConfig(loss_type="kto").validate()
     code = "import sys, raypai.alignment.config; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_config_is_checked_once_where_it_is_built_and_validate_does_not_check_again():
+    """The checks of every part run in __post_init__, once per config built: reading a mapping
+    (`from_dict`'s path) builds it once, `validate()` and the steps hand it on as it is; only
+    building a config (here `dataclasses.replace`) checks it."""
+    import dataclasses
+
+    from raypai.alignment.steps import _cfg
+    from raypai.config import parse_config
+
+    calls = []
+
+    class Counted(GRPOConfig):
+        def _problems(self):
+            calls.append(self)
+            return []
+
+    cfg = parse_config(Counted, {"steps": "3", "group_size": 4}, what="t")
+    assert len(calls) == 1 and cfg.steps == 3 and cfg.group_size == 4
+    assert cfg.validate() is cfg and _cfg("grpo", cfg) is cfg and len(calls) == 1
+    object.__setattr__(cfg, "group_size", 1)  # changed behind its back: validate() does not look again
+    assert cfg.validate() is cfg
+    with pytest.raises(ConfigError, match="group_size must be > 1"):
+        dataclasses.replace(cfg)
+    assert len(calls) == 2
+
+
+def test_the_parts_check_their_fields_in_every_config_and_keep_the_flat_api():
+    """Each shared field is checked by its part, whichever config it is in, and all problems come
+    together; users still write flat fields, and each algorithm keeps its own defaults."""
+    with pytest.raises(ConfigError) as err:
+        C.SFTConfig(steps=0, lr=0, truncation="cut", gpus=2, log_every=0)
+    assert [p.split(" ")[0] for p in err.value.problems] == [
+        "SFTConfig.steps",
+        "SFTConfig.lr",
+        "SFTConfig.truncation",
+        "SFTConfig.gpus",
+        "SFTConfig.log_every",
+    ]
+    for cls in (C.DPOConfig, C.GRPOConfig, C.PPOConfig):
+        with pytest.raises(ConfigError) as err:
+            cls(max_new_tokens=0, temperature=-1, top_p=0, zero_stage=3)
+        assert len(err.value.problems) == 4, err.value.problems
+        assert f"{cls.__name__}.max_new_tokens must be > 0 (got 0)" in str(err.value)
+        assert cls().max_new_tokens == C.MAX_NEW_TOKENS  # the one default of the setting
+    cfg = GRPOConfig(steps=3, lr=1e-3, max_new_tokens=4)
+    assert (cfg.steps, cfg.lr, cfg.max_new_tokens, cfg.group_size) == (3, 1e-3, 4, 8)
+    defaults = {
+        C.SFTConfig: {"steps": 200, "batch_size": 16, "lr": 1e-3},
+        C.RewardModelConfig: {"steps": 300, "batch_size": 32, "lr": 5e-4},
+        C.DPOConfig: {"steps": 100, "batch_size": 8, "lr": 5e-4},
+        C.GRPOConfig: {"steps": 30, "prompts_per_step": 8, "reward_model_weight": 0.0},
+        C.PPOConfig: {"steps": 30, "prompts_per_step": 16, "reward_model_weight": 1.0},
+    }
+    for cls, values in defaults.items():
+        assert {k: getattr(cls(), k) for k in values} == values, cls.__name__
+
+
+def test_from_dict_and_the_steps_read_the_algorithm_registry():
+    """One table of algorithms: an unknown name lists exactly its names; each row's config is what
+    from_dict and the step build; online DPO's row sets online=True on whatever it is given."""
+    import inspect
+
+    from raypai.alignment import steps
+    from raypai.alignment.algorithms import ALGORITHMS, get
+    from raypai.alignment.roles.rollout import Rollout
+
+    names = ", ".join(ALGORITHMS)
+    assert names == "sft, reward_model, grpo, ppo, dpo, online_dpo"
+    for call in (lambda: C.from_dict("rlhf", {}), lambda: steps._cfg("rlhf", None), lambda: get("rlhf")):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert err.value.problems == [f"unknown algorithm 'rlhf'; choose one of {names}"]
+    for name, row in ALGORITHMS.items():
+        assert type(C.from_dict(name, {})) is row.config and type(steps._cfg(name, None)) is row.config
+        step = row.load_step()
+        assert step.name == name and step is getattr(steps, name)
+    assert steps._cfg("online_dpo", DPOConfig()).online and C.from_dict("online_dpo", {}).online
+    with pytest.raises(ConfigError, match="the grpo step takes a GRPOConfig or a dict of its fields"):
+        steps._cfg("grpo", DPOConfig())
+    # max_new_tokens has one default, the config's: the evaluate step reads it, the rollout has none
+    assert inspect.signature(steps.evaluate.fn).parameters["max_new_tokens"].default == C.MAX_NEW_TOKENS
+    assert inspect.signature(Rollout.generate).parameters["max_new_tokens"].default is inspect.Parameter.empty
