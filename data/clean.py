@@ -156,7 +156,7 @@ def _run_filter_pass(refs: list, expected: dict[str, int], progress, done_rows: 
 
     Plain Ray tasks, not Ray Data: one task per shard is all this pass needs (ingest already cut big
     files into parts), and Ray Data would add its stats and autoscaling actors and import pandas in
-    every worker (0.4-0.7 GB of summed resident memory on a 2-CPU run, benchmarks/RESULTS.md)."""
+    every worker (memory every run would pay: benchmarks/history/asides.md)."""
     committed, waiting = 0, list(refs)
     total = done_rows + sum(expected.values())
     progress(done_rows, total, "rows")  # the start: the step's line measures its rate from here

@@ -2,7 +2,7 @@
 
     RAYPAI_HOME=/data/raypai RAYPAI_DATABASE_URL=postgresql+psycopg://... raypai doctor
 
-See DESIGN §2: the same pipeline runs on a laptop (SQLite, local MLflow, local artifact folder)
+See docs/production.md: the same pipeline runs on a laptop (SQLite, local MLflow, local artifact folder)
 and on a cluster (PostgreSQL, MLflow server, s3://) with no code change.
 
 Read by hand rather than with pydantic-settings: the variables mix raypai's prefix with other
@@ -37,7 +37,7 @@ class Settings:
     mlflow_tracking_uri: str
     artifact_uri: str
     ray_address: str | None = None
-    # Logical CPUs given to a local Ray (DESIGN: on 2 cores, Train workers + controller must fit).
+    # Logical CPUs given to a local Ray (on 2 cores, Train workers + controller must fit; docs/configuration.md).
     ray_num_cpus: int | None = None
     # Serve HTTP port pinned by the user; None: raypai.runtime picks one (8000 when free) and records it.
     serve_port: int | None = None
