@@ -22,6 +22,37 @@ class RLInputs:
     pad_id: int
 
 
+def check_lora(model_dir: str, cfg) -> None:
+    """A LoRA config checked against the model before any actor starts: its target modules exist,
+    the base is not quantized to 4 bits (QLoRA is not supported)."""
+    spec = cfg.lora()
+    if spec is None:
+        return
+    from transformers import AutoConfig
+
+    from raypai.alignment.lora import check
+
+    problems = check(AutoConfig.from_pretrained(model_dir), spec, what=f"model {model_dir}")
+    if problems:
+        raise ConfigError(problems, what="LoRA")
+
+
+def sync_path(cfg) -> bool | None:
+    """`start_sync`'s `shared`: a LoRA trainer hands its replicas the adapters alone, a few MB at most,
+    through the object store (each replica merges them into weights of its own); None: per replica."""
+    return False if cfg.lora() else None
+
+
+class BaseOf:
+    """A LoRA run's reference: the policy's own base weights with the adapters off (`Trainer.base_*`),
+    called like a Reference actor (`ref.logprobs.remote(batch)`), with no second copy of the model."""
+
+    def __init__(self, policy):
+        self.logprobs = policy.base_logprobs
+        self.logprobs_on = policy.base_logprobs_on
+        self.pair_logprobs_on = policy.base_pair_logprobs_on
+
+
 def rl_inputs(
     algo: str,
     model_dir: str,
@@ -50,13 +81,14 @@ def rl_inputs(
             ],
             what=f"{algo} inputs",
         )
+    check_lora(model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     check_prompts(fmt, train, trunc, cfg.max_new_tokens, "training prompt")
     check_prompts(fmt, held_out, trunc, cfg.max_new_tokens, "held-out prompt")
     return RLInputs(fmt, trunc, reward_fns, use_rm, fmt.tok.pad_token_id)
 
 
-def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None) -> int:
+def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None) -> int:
     """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
     replicas get the restored weights); returns the step to continue from (0: a fresh run)."""
     from raypai.alignment.checkpoint import load_run
@@ -66,7 +98,7 @@ def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, c
         return 0
     start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
     if start:
-        sync_weights(policy, rollouts)
+        sync_weights(policy, rollouts, shared=shared)
         print(f"[raypai.{algo}] resumed from {checkpoint_dir} at step {start}", flush=True)
     return start
 
@@ -95,8 +127,18 @@ class Run:
         """The policy's Trainer, with the config's learning rate, ZeRO stage and seed."""
         from raypai.alignment.roles import Trainer
 
-        [policy] = self.place("policy", Trainer, model_dir, cfg.lr, cfg.zero_stage, cfg.seed, **kwargs)
+        lr = cfg.lr_of(cfg.lr)
+        [policy] = self.place("policy", Trainer, model_dir, lr, cfg.zero_stage, cfg.seed, lora=cfg.lora(), **kwargs)
         return policy
+
+    def place_reference(self, model_dir: str, cfg, policy, **kwargs):
+        """The frozen reference: a Reference actor, or with LoRA the policy's base (`BaseOf`)."""
+        from raypai.alignment.roles import Reference
+
+        if cfg.lora():
+            return BaseOf(policy)
+        [reference] = self.place("reference", Reference, model_dir, **kwargs)
+        return reference
 
     def place_sampling(
         self, model_dir: str, cfg, inputs: RLInputs, reward_model_dir: str | None, *, device: str, **rollout
@@ -121,6 +163,9 @@ class Run:
         return rollouts, reward
 
     def finish(self, trained, out_dir: str, algorithm: str, cfg, summary: dict, lineage: dict | None) -> dict:
+        """Export the trained model (and with LoRA its adapter, to `out_dir` + "-adapter"); the summary
+        gains the trainable and total parameter counts."""
+        summary = {**summary, **ray.get(trained.param_counts.remote())}
         meta = {"algorithm": algorithm, "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
         ray.get(trained.export.remote(out_dir, meta))
         self.summary = summary

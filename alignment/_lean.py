@@ -1,5 +1,5 @@
-"""Lean forwards for Llama-family models (Llama, Qwen2, Mistral): the rollout's decoding loop and the
-trainer's log-probs.
+"""Lean forwards for Llama-family models (Llama, Qwen2, Mistral, Phi-3): the rollout's decoding loop
+and the trainer's log-probs.
 
 At these sizes a transformers forward pass spends much of its time outside the matrix products
 (module calls, mask construction, cache bookkeeping, output containers). This computes the same
@@ -9,31 +9,78 @@ SwiGLU MLP, with q/k/v and gate/up as one matrix product each. Two users:
 - `LeanDecoder` (decoding, no autograd): a preallocated KV cache and one boolean mask;
 - `lean_hidden` (training and scoring, autograd through the model's parameters): no cache, no mask
   at all for a right-padded batch (causal attention never reaches the padding after a row's end).
-Anything else (other architectures, sliding-window layers, tensor-parallel `pretraining_tp`,
-attention dropout while training) is refused by `lean_supported` and the caller uses the model's own
-forward. Checked against transformers in tests/alignment/test_decode.py (tokens, sampled log-probs)
-and tests/alignment/test_lean_train.py (log-probs and parameter gradients).
+Anything else (other architectures, sliding-window layers, a partial rotary, tensor-parallel
+`pretraining_tp`, attention or residual dropout while training) is refused by `lean_supported` and
+the caller uses the model's own forward. Checked against transformers in
+tests/alignment/test_decode.py (tokens, sampled log-probs), tests/alignment/test_lean_train.py
+(log-probs and parameter gradients) and, for Phi-3's fused layout, tests/alignment/test_families.py.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Phi-3 is Llama's function with q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`, in that
+# order) and a residual dropout; `_fused` reads either layout
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM")
+# architectures whose attention is windowed whenever `sliding_window` is set (Qwen2 only with use_sliding_window)
+WINDOWED_WHEN_SET = ("MistralForCausalLM", "Phi3ForCausalLM")
+
+
+def _w(module) -> torch.Tensor:
+    """A projection's weight as applied: LoRA adapters (peft) merged in (`raypai.alignment.lora`)."""
+    if "peft" in sys.modules:
+        from raypai.alignment.lora import merged_weight
+
+        return merged_weight(module)
+    return module.weight
+
+
+def _lora_unready(model) -> list[str]:
+    """LoRA layers the lean paths cannot apply as one merged weight (`raypai.alignment.lora.lean_ready`)."""
+    if "peft" not in sys.modules:
+        return []
+    from raypai.alignment.lora import is_lora, lean_ready
+
+    return [n for n, m in model.named_modules() if is_lora(m) and not lean_ready(m)]
 
 
 def lean_supported(model) -> bool:
-    """True where the lean forward computes the model's own function."""
-    cfg = model.config
-    if type(model).__name__ not in LEAN_ARCHITECTURES or getattr(cfg, "pretraining_tp", 1) > 1:
+    """True where the lean forward computes the model's own function (LoRA adapters included)."""
+    cfg, name = model.config, type(model).__name__
+    if name not in LEAN_ARCHITECTURES or getattr(cfg, "pretraining_tp", 1) > 1:
         return False
     if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         return False
-    if getattr(cfg, "sliding_window", None) and type(model).__name__ == "MistralForCausalLM":
+    if getattr(cfg, "sliding_window", None) and name in WINDOWED_WHEN_SET:
         return False
-    # HF applies attention dropout in training mode; the lean forward has none
-    return not (model.training and getattr(cfg, "attention_dropout", 0.0))
+    # the lean forward rotates every dimension of a head; a partial rotary (Phi-3's partial_rotary_factor < 1)
+    # leaves some unrotated
+    inv_freq = getattr(model.model.rotary_emb, "inv_freq", None)
+    if inv_freq is None or 2 * inv_freq.numel() != _Shape(cfg).head_dim:
+        return False
+    # HF applies attention (and Phi-3 residual) dropout in training mode; the lean forward has none
+    if model.training and (getattr(cfg, "attention_dropout", 0.0) or getattr(cfg, "resid_pdrop", 0.0)):
+        return False
+    unready = _lora_unready(model)
+    if unready:
+        # said once per process: e.g. SFT with lora_dropout > 0 trains through peft's own forward
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(
+                f"raypai: the lean forward does not apply these LoRA layers (DoRA, an adapter bias, or LoRA "
+                f"dropout in training: {unready[:3]}...); the model's own (slower) forward runs instead",
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
+_WARNED: list = []
 
 
 def lean_decoder(model) -> LeanDecoder | None:
@@ -66,14 +113,22 @@ def _rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _fused(layer) -> tuple[tuple, tuple]:
     """((qkv weight, bias), (gate_up weight, bias)) concatenated from the layer's parameters; under
-    autograd the concatenation's backward hands each parameter its slice of the gradient."""
+    autograd the concatenation's backward hands each parameter its slice of the gradient. A layer
+    that stores them fused (Phi-3's `qkv_proj`, `gate_up_proj`) gives its own parameters."""
     a, m = layer.self_attn, layer.mlp
+    if hasattr(a, "qkv_proj"):
+        return (_w(a.qkv_proj), a.qkv_proj.bias), (_w(m.gate_up_proj), m.gate_up_proj.bias)
     qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
     gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
     return (
-        (torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
-        (torch.cat([m.gate_proj.weight, m.up_proj.weight]), gu_b),
+        (torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]), qkv_b),
+        (torch.cat([_w(m.gate_proj), _w(m.up_proj)]), gu_b),
     )
+
+
+def _act(mlp):
+    """The MLP's gate activation (`act_fn` in Llama's MLP, `activation_fn` in Phi-3's)."""
+    return mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
 
 
 class _Shape:
@@ -103,9 +158,9 @@ def _finish(layer, gate_up, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """Residual after the attention output o (…, heads·d) at x's positions (…, hidden), then the
     SwiGLU MLP's residual."""
     a, m = layer.self_attn, layer.mlp
-    x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+    x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
     gate, up = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
-    return x + F.linear(m.act_fn(gate) * up, m.down_proj.weight, m.down_proj.bias)
+    return x + F.linear(_act(m)(gate) * up, _w(m.down_proj), m.down_proj.bias)
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:
@@ -428,9 +483,9 @@ class LeanDecoder:
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             o = torch.matmul(weights, values).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
             g, u = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
-            x = x + F.linear(m.act_fn(g) * u, m.down_proj.weight, m.down_proj.bias)
+            x = x + F.linear(_act(m)(g) * u, _w(m.down_proj), m.down_proj.bias)
         self.t = t + 1
         return self._logits(x)
 
@@ -475,9 +530,9 @@ class LeanDecoder:
             weights = torch.softmax(scores.add_(bias), dim=-1, dtype=torch.float32).to(self.v[i].dtype)
             o = torch.matmul(weights, self.v[i]).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
             g, u = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
-            x = x + F.linear(m.act_fn(g) * u, m.down_proj.weight, m.down_proj.bias)
+            x = x + F.linear(_act(m)(g) * u, _w(m.down_proj), m.down_proj.bias)
         t.add_(1)
         self.pos_in.add_(1)
         return self._logits(x)

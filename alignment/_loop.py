@@ -87,6 +87,22 @@ def ranked_pairs(scores: dict, sampled: dict, *outs: dict) -> tuple[dict, dict] 
     return select_rows(batch, [i for i, _ in idx]), select_rows(batch, [j for _, j in idx])
 
 
+def pair_logprobs(logprobs, scores: dict, sampled: dict, *outs: dict):
+    """Summed response log-probs (chosen (P,), rejected (P,)) under `logprobs` (a role's batch →
+    (B, T−1) function) of online DPO's pairs of a generation as Ray hands it over (`ranked_pairs`);
+    None when every group ties. Chosen and rejected rows run as one batch, so each shared prompt
+    runs once."""
+    from raypai.alignment._tensors import sequence_logprob, stack_right_padded
+
+    pairs = ranked_pairs(scores, sampled, *outs)
+    if pairs is None:
+        return None
+    both = stack_right_padded(*pairs)
+    seq = sequence_logprob(logprobs(both), both["response_mask"])
+    n = pairs[0]["input_ids"].shape[0]
+    return seq[:n], seq[n:]
+
+
 def launch(
     rollouts: list,
     problems: list,

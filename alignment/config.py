@@ -145,6 +145,71 @@ class Optimisation(_Part):
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """The adapters a LoRA trainer holds (`raypai.alignment.lora`): rank, α (scale α / r), dropout
+    and the targeted projections (() = every linear projection of the decoder blocks)."""
+
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+# The adapters' learning rate as a multiple of full fine-tuning's: LoRA's best learning rate is about
+# ten times full fine-tuning's across model sizes (Schulman et al. 2025, "LoRA Without Regret").
+LORA_LR_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class Adapters(_Part):
+    """LoRA (Hu et al. 2021) instead of full fine-tuning: `lora_r` > 0 trains rank-r adapters on the
+    targeted projections (and a reward model's or critic's scalar head); the reference is the base
+    with the adapters off, and the output is the merged model plus the adapter (docs/alignment.md,
+    "LoRA")."""
+
+    lora_r: int = 0  # 0 = full fine-tuning
+    lora_alpha: float = 0.0  # α; 0 = 2 · lora_r (a scale α / r of 2)
+    lora_dropout: float = 0.0  # on the adapters' input; RL updates run without dropout (docs)
+    lora_target_modules: tuple[str, ...] = ()  # projection names (e.g. q_proj, v_proj); () = all of them
+    lora_lr: float = 0.0  # the adapters' learning rate; 0 = LORA_LR_FACTOR × lr
+
+    def _problems(self) -> list[str]:
+        name, p = type(self).__name__, []
+        if self.lora_r < 0:
+            p.append(f"{name}.lora_r must be ≥ 0 (got {self.lora_r}); 0 = full fine-tuning, e.g. 16 for LoRA")
+        if self.lora_alpha < 0:
+            p.append(f"{name}.lora_alpha must be ≥ 0 (got {self.lora_alpha}); 0 = 2 · lora_r")
+        if not 0 <= self.lora_dropout < 1:
+            p.append(f"{name}.lora_dropout must be in [0, 1) (got {self.lora_dropout})")
+        if self.lora_lr < 0:
+            p.append(f"{name}.lora_lr must be ≥ 0 (got {self.lora_lr}); 0 = {LORA_LR_FACTOR:g} × lr")
+        bad = [t for t in self.lora_target_modules if not isinstance(t, str) or not t]
+        if bad:
+            p.append(f"{name}.lora_target_modules must be module names such as 'q_proj' (got {bad})")
+        if not self.lora_r and (self.lora_target_modules or self.lora_lr or self.lora_alpha or self.lora_dropout):
+            p.append(f"{name}: lora_* options are set but lora_r is 0 (full fine-tuning); set lora_r (e.g. 16)")
+        return p
+
+    def lora(self) -> LoRASpec | None:
+        """The adapters' spec, or None for full fine-tuning."""
+        if not self.lora_r:
+            return None
+        alpha = self.lora_alpha or 2.0 * self.lora_r
+        return LoRASpec(self.lora_r, alpha, self.lora_dropout, tuple(self.lora_target_modules))
+
+    def lr_of(self, full: float) -> float:
+        """The learning rate a trainer uses: `full` (the config's lr, or PPO's critic_lr) for full
+        fine-tuning; with LoRA, lora_lr or LORA_LR_FACTOR × full."""
+        if not self.lora_r:
+            return full
+        return self.lora_lr or LORA_LR_FACTOR * full
+
+
+@dataclass(frozen=True)
 class Lengths(_Part):
     """How long an example may be, and what happens to a longer one."""
 
@@ -215,7 +280,7 @@ class Resources(_Part):
 
 # ---- one config per algorithm (bases last-first: see the module docstring) ----------------------
 @dataclass(frozen=True)
-class SFTConfig(Resources, Lengths, Optimisation, Batches):
+class SFTConfig(Resources, Lengths, Adapters, Optimisation, Batches):
     """Supervised fine-tuning: mean NLL of the response tokens only (prompt tokens are masked)."""
 
     steps: int = 200
@@ -231,7 +296,7 @@ class SFTConfig(Resources, Lengths, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class RewardModelConfig(Resources, Lengths, Optimisation, Batches):
+class RewardModelConfig(Resources, Lengths, Adapters, Optimisation, Batches):
     """Bradley–Terry reward model on the SFT model with a scalar head."""
 
     steps: int = 300
@@ -240,7 +305,7 @@ class RewardModelConfig(Resources, Lengths, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class DPOConfig(Resources, Sampling, Lengths, Optimisation, Batches):
+class DPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, Batches):
     """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples;
     the sampling fields apply to online DPO only)."""
 
@@ -272,7 +337,7 @@ class DPOConfig(Resources, Sampling, Lengths, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class GRPOConfig(Resources, Sampling, Lengths, Optimisation, RolloutLoop):
+class GRPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
     """GRPO (Shao et al. 2024); defaults follow TRL's GRPOConfig where one exists."""
 
     steps: int = 30
@@ -321,7 +386,7 @@ class GRPOConfig(Resources, Sampling, Lengths, Optimisation, RolloutLoop):
 
 
 @dataclass(frozen=True)
-class PPOConfig(Resources, Sampling, Lengths, Optimisation, RolloutLoop):
+class PPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
     """RLHF PPO (Ouyang et al. 2022): defaults follow InstructGPT-style setups scaled to a tiny model."""
 
     steps: int = 30

@@ -16,14 +16,13 @@ from collections import deque
 
 import ray
 
-from raypai.alignment._driver import Run
+from raypai.alignment._driver import Run, check_lora
 from raypai.alignment._tensors import encode_pairs, sequence_logprob
 from raypai.alignment.config import DPOConfig
 from raypai.alignment.losses import ChosenRejected, dpo_loss
 from raypai.alignment.losses.objectives import DPO
 from raypai.alignment.models import check_causal_lm, format_and_limit
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference
 from raypai.errors import ConfigError
 
 
@@ -96,6 +95,7 @@ def run_dpo(
             lineage=lineage,
         )
     check_causal_lm(model_dir)
+    check_lora(model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     if not pairs:
         raise ConfigError(["DPO needs preference pairs (got none)"], what="DPO inputs")
@@ -106,7 +106,9 @@ def run_dpo(
     ev_c, ev_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")  # bad pairs fail before any actor starts
     all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
     g = cfg.gpus  # on a GPU: the trainer half of it, the reference the rest
-    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2), "reference": RoleSpec(cpus=0.5, gpus=g / 2)}
+    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2)}
+    if not cfg.lora():  # with LoRA the reference is the policy's own base: no actor
+        specs["reference"] = RoleSpec(cpus=0.5, gpus=g / 2)
     device = "cuda" if g else "cpu"
     threads = max(1, round(sum(r.cpus for r in specs.values())))
     objective = dpo_objective(cfg)
@@ -114,7 +116,7 @@ def run_dpo(
     # role works with all of its CPUs
     with Run(run_name, specs, colocate=(tuple(specs),), logger=logger) as run:
         policy = run.place_policy(model_dir, cfg, threads=threads, device=device)
-        [reference] = run.place("reference", Reference, model_dir, threads=threads, device=device)
+        reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
         before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         # reference log-probs of every pair, computed once, held by the trainer with the pairs: a step

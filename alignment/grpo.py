@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, resume, rl_inputs
+from raypai.alignment._driver import Run, resume, rl_inputs, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -41,7 +41,6 @@ from raypai.alignment.config import LIVE_ENGINES, GRPOConfig
 from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses.objectives import GRPO
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference
 from raypai.alignment.sync import start_sync, wait_loads
 
 TIMES = ("time_rollout", "time_reward", "time_reference", "time_train", "time_sync")
@@ -77,7 +76,8 @@ def run_grpo(
         "rollout": RoleSpec(
             cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas, replicas=cfg.rollout_replicas
         ),
-        **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta else {}),
+        # (with LoRA the reference is the policy's own base: no actor)
+        **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta and not cfg.lora() else {}),
         "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
     }
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
@@ -117,9 +117,9 @@ def run_grpo(
             device=device["rollout"],
             threads=cfg.rollout_threads or max(1, shared // cfg.rollout_replicas),
         )
-        [reference] = run.place("reference", Reference, model_dir, device=device["reference"]) if cfg.beta else [None]
+        reference = run.place_reference(model_dir, cfg, policy, device=device.get("reference")) if cfg.beta else None
         rng = random.Random(cfg.seed)
-        start = resume("grpo", checkpoint_dir, rng, policy, rollouts)
+        start = resume("grpo", checkpoint_dir, rng, policy, rollouts, shared=sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
@@ -220,7 +220,7 @@ def run_grpo(
                         objective, scored, sampled, *now.refs, old_lp=old_lp, ref_lp=ref_lp
                     )
             with t("time_sync"):
-                loads = start_sync(policy, rollouts)
+                loads = start_sync(policy, rollouts, shared=sync_path(cfg))
             # while they work: the samples and their rewards, for the metrics
             if s is None:
                 with t("time_rollout"):

@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, rl_inputs
+from raypai.alignment._driver import Run, rl_inputs, sync_path
 from raypai.alignment._loop import asleep, launch, score_launched, scores_of
 from raypai.alignment._tensors import encode_pairs
 from raypai.alignment.config import LIVE_ENGINES, DPOConfig
@@ -29,7 +29,7 @@ from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected
 from raypai.alignment.losses.objectives import OnlineDPO
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Reward, Rollout
+from raypai.alignment.roles import Reward, Rollout
 from raypai.alignment.sync import start_sync, wait_loads
 from raypai.errors import ConfigError
 
@@ -60,7 +60,7 @@ def run_online_dpo(
     g = cfg.gpus  # on a GPU: the trainer half of it, the reference and the rollout a quarter each
     specs = {
         "policy": RoleSpec(cpus=1, gpus=g / 2),
-        "reference": RoleSpec(cpus=0.5, gpus=g / 4),
+        **({} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=g / 4)}),  # LoRA: the policy's base
         "rollout": RoleSpec(cpus=0.5, gpus=g / 4),
         "reward": RoleSpec(cpus=0.25),
     }
@@ -78,7 +78,7 @@ def run_online_dpo(
             device=device,
             sync_dtype="bfloat16" if g else None,
         )
-        [reference] = run.place("reference", Reference, model_dir, threads=threads, device=device)
+        reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         [rollout] = run.place(
             "rollout",
             Rollout,
@@ -111,7 +111,7 @@ def run_online_dpo(
             on = {**sampled, "rows": now.rows}
             ref = reference.pair_logprobs_on.remote(scored, on, *now.refs)
             update = policy.update_on.remote(objective, scored, ref, on, *now.refs)
-            loads = start_sync(policy, [rollout])  # queued behind the update on the trainer
+            loads = start_sync(policy, [rollout], shared=sync_path(cfg))  # queued behind the update on the trainer
             scores = scores_of(scored)["total"]  # a reward function's own error surfaces here, as itself
             m = ray.get(update)
             t0 = time.perf_counter()  # sync_seconds: the wait for the replica's load left after the update

@@ -18,7 +18,7 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, resume, rl_inputs
+from raypai.alignment._driver import Run, resume, rl_inputs, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -37,7 +37,7 @@ from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import masked_mean
 from raypai.alignment.losses.objectives import PPOPolicy, PPOValue
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reference, Trainer
+from raypai.alignment.roles import Trainer
 from raypai.alignment.sync import start_sync, wait_loads
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
@@ -67,7 +67,7 @@ def run_ppo(
         "policy": RoleSpec(cpus=1, gpus=0.4 * g),
         "critic": RoleSpec(cpus=0.5, gpus=0.2 * g),
         "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
-        "reference": RoleSpec(cpus=0.5, gpus=0.2 * g),
+        **({} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g)}),  # LoRA: the policy's base
         "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
     }
     device = "cuda" if g else "cpu"
@@ -91,16 +91,17 @@ def run_ppo(
             "critic",
             Trainer,
             reward_model_dir or model_dir,
-            cfg.critic_lr,
+            cfg.lr_of(cfg.critic_lr),
             cfg.zero_stage,
             cfg.seed,
             head="token_value",
+            lora=cfg.lora(),
             device=device,
         )  # a scalar per position; from the reward model, its score head carries over
         rollouts, reward = run.place_sampling(model_dir, cfg, inputs, reward_model_dir, device=device)
-        [reference] = run.place("reference", Reference, model_dir, device=device)
+        reference = run.place_reference(model_dir, cfg, policy, device=device)
         rng = random.Random(cfg.seed)
-        start = resume("ppo", checkpoint_dir, rng, policy, rollouts, critic)
+        start = resume("ppo", checkpoint_dir, rng, policy, rollouts, critic, shared=sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         for step in range(start + 1, cfg.steps + 1):
@@ -136,7 +137,9 @@ def run_ppo(
                 ]
                 for _ in range(cfg.ppo_epochs)
             ]  # each trainer runs its epochs in turn
-            loads = start_sync(policy, rollouts)  # each replica loads after the updates queued before it
+            loads = start_sync(
+                policy, rollouts, shared=sync_path(cfg)
+            )  # each replica loads after the updates queued before it
             # while they work: what the metrics need (the time_* sections: what this process waited)
             with t("time_rollout"):
                 s = collect(now, pad_id=pad_id)

@@ -13,7 +13,7 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run
+from raypai.alignment._driver import Run, check_lora
 from raypai.alignment._tensors import encode_pairs, select_rows
 from raypai.alignment.config import RewardModelConfig
 from raypai.alignment.losses.objectives import BradleyTerry
@@ -49,20 +49,22 @@ def train_reward_model(
     """`pairs`/`eval_pairs`: PreferenceExample lists. Returns held-out pair accuracy before/after; the
     reward model is written to `out_dir` as an HF folder (with the backbone's tokenizer)."""
     check_causal_lm(model_dir, "reward model backbone")
+    check_lora(model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     train_c, train_r = encode_pairs(fmt, pairs, trunc, "training pair")  # bad or over-long pairs fail here
     eval_c, eval_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")
     objective = BradleyTerry(margin=cfg.margin)
-    gpus = getattr(cfg, "gpus", 0.0)
+    gpus = cfg.gpus
     with Run(run_name, {"reward-trainer": RoleSpec(cpus=1, gpus=gpus)}, logger=logger) as run:
         [rm] = run.place(
             "reward-trainer",
             Trainer,
             model_dir,
-            cfg.lr,
-            getattr(cfg, "zero_stage", 0),
+            cfg.lr_of(cfg.lr),
+            cfg.zero_stage,
             cfg.seed,
             head="score",
+            lora=cfg.lora(),
             device="cuda" if gpus else "cpu",
         )
         before = pair_accuracy(rm, eval_c, eval_r)

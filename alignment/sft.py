@@ -14,7 +14,7 @@ import random
 import ray
 import torch
 
-from raypai.alignment._driver import Run
+from raypai.alignment._driver import Run, check_lora
 from raypai.alignment._tensors import batch_of, encode_all
 from raypai.alignment.config import SFTConfig
 from raypai.alignment.losses.objectives import SFT
@@ -57,6 +57,7 @@ def run_sft(
     the model to `out_dir`. `ptx_blocks` ((N, T) int array of pretraining token blocks) with
     `cfg.ptx_coef` > 0 mixes their LM loss into every step."""
     check_causal_lm(model_dir)
+    check_lora(model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     if not train or not held_out:
         raise DataError(f"SFT needs training and held-out examples (got {len(train)} and {len(held_out)})")

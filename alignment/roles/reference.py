@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raypai.alignment._tensors import sequence_logprob, stack_right_padded, to_device, token_logprobs
+from raypai.alignment._tensors import to_device, token_logprobs
 from raypai.alignment.roles._device import inference_dtype, release, role_device
 
 
@@ -33,15 +33,9 @@ class Reference:
         generation as Ray hands it over (`_loop.ranked_pairs`: the rollout's `outs` and the Reward
         actor's `scores` go from them to here with no round trip through the driver); None when every
         group ties. Chosen and rejected rows run as one batch, so each shared prompt runs once."""
-        from raypai.alignment._loop import ranked_pairs
+        from raypai.alignment._loop import pair_logprobs
 
-        pairs = ranked_pairs(scores, sampled, *outs)
-        if pairs is None:
-            return None
-        both = stack_right_padded(*pairs)
-        seq = sequence_logprob(self.logprobs(both), both["response_mask"])
-        n = pairs[0]["input_ids"].shape[0]
-        return seq[:n], seq[n:]
+        return pair_logprobs(self.logprobs, scores, sampled, *outs)
 
     def logprobs_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
         """`logprobs` of a generation as Ray hands it over (`_loop.handed_over`)."""

@@ -70,13 +70,26 @@ class Rollout:
         self._live = False  # parameters bound to the trainer's own (live shared parameters)
 
     def load_weights(self, state: dict, version: int | None = None) -> int:
-        """Load the trainer's weights; `version` (its update count) is reported with every sample."""
-        self.model.load_state_dict(state)
-        if self.vllm is not None:
-            self.vllm.push(state)
+        """Load the trainer's weights; `version` (its update count) is reported with every sample. A
+        LoRA trainer hands over its adapters only ({"lora": factors, "spec": LoRASpec}, `Trainer.
+        state_dict`): they are merged into this replica's own weights (base + (α / r) · B A, from a
+        copy of the targeted base weights kept at the first load), so decoding runs a plain model.
+        Returns the bytes handed over."""
+        if "lora" in state:
+            from raypai.alignment.lora import merge_into
+
+            self._lora_base = merge_into(self.model, state["lora"], state["spec"], getattr(self, "_lora_base", {}))
+            sent = state["lora"]
+            if self.vllm is not None:
+                self.vllm.push(self.model.state_dict())
+        else:
+            self.model.load_state_dict(state)
+            sent = state
+            if self.vllm is not None:
+                self.vllm.push(state)
         if version is not None:
             self.version = version
-        return sum(v.numel() * v.element_size() for v in state.values())
+        return sum(v.numel() * v.element_size() for v in sent.values())
 
     def load_shared(self, written: tuple[str, int, bool]) -> int:
         """Take the weights the trainer made readable (`written` = (path, version, live), from its

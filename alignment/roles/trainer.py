@@ -9,7 +9,12 @@ no algorithm: each update is handed an objective from `raypai.alignment.losses.o
 
 Heads: "causal_lm" (the policy: AutoModelForCausalLM), "token_value" (PPO's critic: a scalar per
 position, AutoModelForTokenClassification) and "score" (the reward model: a scalar per sequence,
-AutoModelForSequenceClassification)."""
+AutoModelForSequenceClassification).
+
+With `lora` (a `raypai.alignment.lora.LoRASpec`) the model trains LoRA adapters (and a scalar head)
+only; its base with the adapters off is the run's reference (`base_logprobs*`, no second copy of the
+weights), a sync hands over the adapters only, and the export writes the merged model plus the
+adapter in PEFT's format."""
 
 from __future__ import annotations
 
@@ -64,26 +69,27 @@ def _tokens(x) -> int:
 
 
 class _Forward:
-    """The role's forward passes, handed to an objective (`losses.objectives.Model`)."""
+    """The role's forward passes, handed to an objective (`losses.objectives.Model`). They run the
+    transformers model itself (with LoRA: the base model with its adapter layers, so Llama-family
+    models take the lean forward, which applies the adapters), not DeepSpeed's engine: ZeRO ≤ 2 keeps
+    whole parameters and the engine's forward adds nothing here."""
 
     def __init__(self, role: Trainer):
         self.role = role
 
     def logprobs(self, batch: dict, where: torch.Tensor | None = None) -> torch.Tensor:
-        # the engine's module directly (ZeRO ≤ 2 keeps whole parameters; the engine's forward adds
-        # nothing here), so Llama-family models take the lean forward
         with autocast(self.role.device):
-            return token_logprobs(self.role.engine.module, batch["input_ids"], batch["attention_mask"], where=where)
+            return token_logprobs(self.role.net, batch["input_ids"], batch["attention_mask"], where=where)
 
     def values(self, batch: dict) -> torch.Tensor:
         # the value of the state *before* token t+1, aligned with the label positions: (B, T−1)
         with autocast(self.role.device):
-            out = self.role.engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            out = self.role.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return out.logits[:, :-1, 0].float()
 
     def scores(self, batch: dict) -> torch.Tensor:
         with autocast(self.role.device):
-            out = self.role.engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            out = self.role.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return out.logits[:, 0].float()
 
 
@@ -101,6 +107,7 @@ class Trainer(Sleeps):
         device: str = "cpu",
         sync_dtype: str | None = None,
         dropout: bool = False,
+        lora=None,
     ):
         """`head`: one of HEADS. `live_weights`: keep the parameters in a shared-memory buffer that
         same-node rollout replicas bind to (raypai.alignment.sync, "live shared parameters"); only for
@@ -109,7 +116,8 @@ class Trainer(Sleeps):
         `roles._device`). `sync_dtype`: the rollout replicas' weight dtype (e.g. "bfloat16"), in which
         the weights are handed over in shared memory; None: this trainer's own (fp32). `dropout`:
         keep the model's own dropout in training (SFT); RL updates train without it (an update
-        compares training-mode outputs with eval-mode ones: `roles._engine.without_dropout`)."""
+        compares training-mode outputs with eval-mode ones: `roles._engine.without_dropout`), LoRA's
+        dropout included. `lora`: a `raypai.alignment.lora.LoRASpec` (None: every weight trains)."""
         if head not in HEADS:
             raise ValueError(f"unknown trainer head {head!r}; choose one of {', '.join(HEADS)}")
         torch.set_num_threads(threads)
@@ -119,11 +127,23 @@ class Trainer(Sleeps):
         self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None
         self.updates_done = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample)
         model = _load(model_dir, head).to(self.device)
+        self.lora = lora
+        if lora is not None:
+            from raypai.alignment import lora as L
+
+            model = L.attach(model, lora, L.head_modules(model) if head != "causal_lm" else None)
         if not dropout:
             without_dropout(model)
+        # the transformers model the forward passes run (with LoRA, the base model holding the adapter layers)
+        self.net = model.get_base_model() if lora is not None else model
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
         self._live = (
-            live_weights and head == "causal_lm" and zero_stage == 0 and self.device.type == "cpu" and not sync_dtype
+            live_weights
+            and head == "causal_lm"
+            and lora is None  # the replicas merge the adapters into weights of their own
+            and zero_stage == 0
+            and self.device.type == "cpu"
+            and not sync_dtype
         )
         if self._live:
             from raypai.alignment.sync import SharedWeights
@@ -204,6 +224,11 @@ class Trainer(Sleeps):
         first = data[0] if isinstance(data, (tuple, list)) else data
         return len(first["input_ids"]) if isinstance(first, dict) else len(first)
 
+    def param_counts(self) -> dict:
+        """Trainable and total parameters (with LoRA, the adapters and a scalar head are trainable)."""
+        trainable = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+        return {"trainable_params": trainable, "total_params": self.n_params}
+
     # ---- forward passes (eval mode, no gradients) -----------------------------------------------
 
     def _infer(self, what: str, batch: dict) -> torch.Tensor:
@@ -227,6 +252,29 @@ class Trainer(Sleeps):
         """(B,) scores of a sequence-score head (the reward model)."""
         return self._infer("scores", batch)
 
+    def _base(self):
+        """The weights with the adapters off: a LoRA run's reference (the frozen starting policy)."""
+        if self.lora is None:
+            raise RuntimeError("base_logprobs: this trainer has no LoRA adapters; the reference is its own role")
+        return self.engine.module.disable_adapter()
+
+    def base_logprobs(self, batch: dict) -> torch.Tensor:
+        """`logprobs` of the base model (adapters off): a LoRA run's reference log-probs."""
+        with self._base():
+            return self.logprobs(batch)
+
+    def base_logprobs_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
+        """`base_logprobs` of a generation as Ray hands it over (`Reference.logprobs_on`)."""
+        from raypai.alignment._loop import handed_over
+
+        return self.base_logprobs(handed_over(sampled, outs))
+
+    def base_pair_logprobs_on(self, scores: dict, sampled: dict, *outs: dict):
+        """The base model's summed log-probs of online DPO's pairs (`Reference.pair_logprobs_on`)."""
+        from raypai.alignment._loop import pair_logprobs
+
+        return pair_logprobs(self.base_logprobs, scores, sampled, *outs)
+
     def values_on(self, sampled: dict, *outs: dict) -> torch.Tensor:
         """`values` of a generation as Ray hands it over (`_loop.handed_over`)."""
         from raypai.alignment._loop import handed_over
@@ -239,7 +287,14 @@ class Trainer(Sleeps):
         return self.updates_done
 
     def state_dict(self) -> dict:
-        """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load."""
+        """The weights on the host (in `sync_dtype` when set): what replicas on other nodes load. With
+        LoRA, the adapters only, as {"lora": tensors by peft's names, "spec": the LoRASpec}: the
+        replicas merge them into their own weights (`Rollout.load_weights`)."""
+        if self.lora is not None:
+            from raypai.alignment.lora import adapter_state
+
+            state = adapter_state(self.engine.module)
+            return {"lora": {k: v.detach().to("cpu").clone() for k, v in state.items()}, "spec": self.lora}
         return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in self.engine.module.state_dict().items()}
 
     def node_id(self) -> str:
@@ -273,14 +328,28 @@ class Trainer(Sleeps):
         if self._shared is not None and os.path.exists(self._shared.path):
             os.unlink(self._shared.path)
 
-    def export(self, out_dir: str, extra: dict | None = None) -> str:
+    def export(self, out_dir: str, extra: dict | None = None, adapter_dir: str | None = None) -> str:
         """The model as an HF folder: weights and the source folder's tokenizer files; a causal LM
         also gets a generation config whose EOS list holds every stop token (plain `generate` stops
-        where raypai does). `extra`: written as raypai.json."""
+        where raypai does). `extra`: written as raypai.json. With LoRA the folder holds the merged
+        model (base + adapters, loadable by plain transformers), and the adapter itself goes to
+        `adapter_dir` (default: `out_dir` + "-adapter") in PEFT's format (adapter_config.json naming
+        the base folder, adapter_model.safetensors); the trainer is finished after it (the adapters
+        are merged into its weights)."""
         from raypai.chat import ChatFormat, copy_tokenizer_files, write_generation_stops
 
         out = Path(out_dir)
-        self.engine.module.save_pretrained(out, safe_serialization=True)
+        model = self.engine.module
+        if self.lora is not None:
+            adapter = Path(adapter_dir or f"{out_dir.rstrip('/')}-adapter")
+            model.save_pretrained(adapter, safe_serialization=True)
+            copy_tokenizer_files(self.model_dir, adapter)
+            if extra is not None:
+                meta = {**extra, "kind": "lora_adapter", "base_model": self.model_dir, **self.param_counts()}
+                (adapter / "raypai.json").write_text(json.dumps(meta, indent=1, default=str))
+            model = model.merge_and_unload()
+            self.lora = None  # merged: a later update would train the merged weights, not adapters
+        model.save_pretrained(out, safe_serialization=True)
         copy_tokenizer_files(self.model_dir, out)
         if self.head == "causal_lm":
             write_generation_stops(out, ChatFormat.from_pretrained(self.model_dir).stop_ids)
@@ -295,10 +364,18 @@ class Trainer(Sleeps):
         newest tags (raypai.alignment.checkpoint.commit)."""
         from raypai.alignment.checkpoint import commit
 
-        self.engine.save_checkpoint(folder, tag=tag, client_state=client_state or {}, save_latest=False)
+        # with LoRA the base weights are the starting folder's: only the adapters (and their optimizer
+        # state) are saved
+        self.engine.save_checkpoint(
+            folder,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=False,
+            exclude_frozen_parameters=self.lora is not None,
+        )
         commit(folder, tag, keep=keep, point_latest=point_latest)
 
     def load_checkpoint(self, folder: str, tag: str | None = None) -> dict:
         """Load the checkpoint `tag` (None: the one `latest` names); returns its client state."""
-        _, client_state = self.engine.load_checkpoint(folder, tag=tag)
+        _, client_state = self.engine.load_checkpoint(folder, tag=tag, load_module_strict=self.lora is None)
         return client_state or {}
