@@ -59,6 +59,10 @@ class Decoded:
     tokens: list[list[int]]  # per row: the sampled tokens, the stop token included when one was hit
     logprobs: list[torch.Tensor] | None  # per row: (len(tokens),) log p(token) at temperature 1
     stopped: int  # rows that ended on a stop token (the rest ran to max_new_tokens)
+    # the step that produced them: "model" (the model's own forward), "lean" (the lean forward, rows
+    # leaving the batch), "static" (its fixed-shape step, eager), "compiled" (that step through
+    # torch.compile) or "graphed" (that step replayed as a CUDA graph)
+    path: str
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator=None) -> torch.Tensor:
@@ -186,20 +190,24 @@ def decode(
     if static:
         dec.start_static(torch.zeros(B, dtype=torch.long, device=device), nxt_pos)
         if device.type == "cuda":
-            run = GraphedStep(dec)
+            run, path = GraphedStep(dec), "graphed"
+        elif compiled:
+            run, path = partial(compiled_static_step(), dec), "compiled"
         else:
-            run = partial(compiled_static_step(), dec) if compiled else dec.static_step
+            run, path = dec.static_step, "static"
         sampled = _static_loop(
             run, dec.tok_in, logits, B, max_new_tokens, stop_ids, temperature, top_p, generator, out_lp, device
         )
-        return _decoded(sampled, out_lp, stop_ids)
+        return _decoded(sampled, out_lp, stop_ids, path)
     sampled, stopped = _sample_loop(
         dec, logits, nxt_pos, B, max_new_tokens, stop_ids, temperature, top_p, generator, out_lp, device
     )
-    return _decoded(sampled, out_lp, stop_ids, stopped)
+    return _decoded(sampled, out_lp, stop_ids, "lean" if isinstance(dec, LeanDecoder) else "model", stopped)
 
 
-def _decoded(sampled: torch.Tensor, out_lp: torch.Tensor | None, stop_ids, stopped: int | None = None) -> Decoded:
+def _decoded(
+    sampled: torch.Tensor, out_lp: torch.Tensor | None, stop_ids, path: str, stopped: int | None = None
+) -> Decoded:
     """Decoded from (B, max_new) sampled ids, −1 after each row's end."""
     tokens = []
     for row in sampled.cpu().tolist():
@@ -209,7 +217,7 @@ def _decoded(sampled: torch.Tensor, out_lp: torch.Tensor | None, stop_ids, stopp
         stops = set(stop_ids)
         stopped = sum(1 for t in tokens if t and t[-1] in stops)
     lps = None if out_lp is None else [lp[: len(t)] for lp, t in zip(out_lp.cpu(), tokens)]
-    return Decoded(tokens, lps, stopped)
+    return Decoded(tokens, lps, stopped, path)
 
 
 def _static_loop(

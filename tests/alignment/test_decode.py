@@ -4,7 +4,6 @@ full forward pass, on three model families with prompts of different lengths (le
 import pytest
 import torch
 
-from raypai.alignment import _decode
 from raypai.alignment._decode import decode, sample_tokens
 from raypai.alignment._lean import lean_decoder
 from raypai.alignment._tensors import pad, token_logprobs
@@ -90,8 +89,7 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
         static=static,
         compiled=compiled,
     )
-    if compiled and lean_decoder(model) is not None:
-        assert _decode._compiled_step is not None  # the step ran through torch.compile
+    assert d.path == _path(model, lean, static, compiled)  # this call's steps ran where asked (GPT-2: its own)
     ended = [t for t in d.tokens if t and t[-1] in stop + frequent]
     assert 0 < len(ended) == d.stopped < len(prompts)  # some rows left the batch early, others ran on
     for toks in d.tokens:
@@ -107,6 +105,52 @@ def test_sampled_logprobs_are_the_models_and_rows_end_at_their_stop_token(family
         full = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
     for i, (p, lp) in enumerate(zip(prompts, d.logprobs)):
         assert torch.allclose(lp, full[i, len(p) - 1 : len(p) - 1 + len(lp)], atol=1e-4)
+
+
+def _path(model, lean: bool, static: bool | None, compiled: bool) -> str:
+    """The step `decode` runs on the CPU for these arguments: GPT-2 has no lean forward."""
+    if not lean or lean_decoder(model) is None:
+        return "model"
+    return "compiled" if compiled else "static" if static else "lean"
+
+
+def test_compiled_greedy_tokens_are_those_of_hf_generate(family_model):
+    """The fixed-shape step through torch.compile (`compile_rollout`) decodes greedily what HF
+    `generate` does, on each family (GPT-2 on its own forward), with the log-prob of each token under
+    generate's own logits: a tiny random model's greedy tokens barely depend on its attention, the
+    log-probs do (to 1e-4). 16 rows and 10 new tokens, as the sampled test's compiled run, so the two
+    share one compile per family."""
+    model, fmt = family_model
+    prompts = _prompts(fmt)
+    stops = list(fmt.stop_ids)
+    mine = decode(
+        model,
+        prompts * 4,
+        pad_id=fmt.tok.pad_token_id,
+        stop_ids=stops,
+        max_new_tokens=10,
+        temperature=0,
+        logprobs=True,
+        compiled=True,
+    )
+    assert mine.path == _path(model, True, None, True)
+    for i, p in enumerate(prompts):  # one prompt at a time: no padding on HF's side
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=fmt.tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        toks = ref.sequences[0, len(p) :].tolist()
+        cut = next((j for j, t in enumerate(toks) if t in stops), None)
+        toks = toks if cut is None else toks[: cut + 1]
+        assert mine.tokens[i] == mine.tokens[i + 4] == toks
+        lp = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(ref.logits, toks)])
+        torch.testing.assert_close(mine.logprobs[i], lp, atol=1e-4, rtol=0)
 
 
 def test_sampling_follows_temperature_and_top_p():
