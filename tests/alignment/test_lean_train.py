@@ -1,7 +1,8 @@
 """The trainer's log-probs through raypai's lean forward (raypai.alignment._lean.lean_hidden, used by
 token_logprobs) against the model's own transformers forward: the same per-token log-probs and the
-same parameter gradients, on Llama, Qwen2 and Mistral configs, right- and left-padded, and with rows
-that continue a shared prompt (run once per prompt); GPT-2 and a sliding-window Mistral keep the
+same parameter gradients, on Llama, Qwen2, Mistral and Phi-3 (fused q/k/v and gate/up) configs,
+right- and left-padded, and with rows that continue a shared prompt (run once per prompt); GPT-2, a
+sliding-window Mistral or Phi-3, a Phi-3 with a partial rotary and one with residual dropout keep the
 model's own forward."""
 
 import pytest
@@ -29,6 +30,8 @@ def _model(family: str):
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
@@ -42,6 +45,14 @@ def _model(family: str):
         return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
     if family == "mistral-sliding":
         return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8))
+    if family.startswith("phi3"):  # q/k/v in one qkv_proj, gate/up in one gate_up_proj
+        changed = {
+            "phi3": {},
+            "phi3-sliding": {"sliding_window": 8},
+            "phi3-partial-rotary": {"partial_rotary_factor": 0.5},
+            "phi3-dropout": {"resid_pdrop": 0.1},
+        }[family]
+        return Phi3ForCausalLM(Phi3Config(**SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2, **changed))
     return GPT2LMHeadModel(
         GPT2Config(
             vocab_size=97,
@@ -81,7 +92,7 @@ def _lp_and_grads(model, ids, att, resp, lean):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
 def test_lean_logprobs_and_gradients_equal_the_models_own(family, side):
     model = _model(family).train()
     assert lean_supported(model)
@@ -124,7 +135,7 @@ CUDA = pytest.param(
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", ["packed", "split"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
 def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(family, layout, device, monkeypatch):
     """Both layouts: each prompt and its continuations packed into one sequence, and (past
     PACKED_MAX_LEN) the prompts and the continuations as one list of tokens, split for attention."""
@@ -170,10 +181,13 @@ def test_every_position_without_where_equals_the_full_log_softmax():
     assert torch.allclose(mine[real], ref[real], atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mistral-sliding"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral-sliding", "phi3-sliding", "phi3-partial-rotary", "phi3-dropout"])
 def test_models_the_lean_forward_does_not_cover_use_their_own(family):
     model = _model(family).train()
     assert not lean_supported(model)
+    if family == "phi3-dropout":  # residual dropout applies in training only: evaluation runs lean
+        assert lean_supported(model.eval())
+        return
     ids, att, resp = _batch("right")
     mine, my_grads = _lp_and_grads(model, ids, att, resp, lean=True)  # falls back
     ref, ref_grads = _lp_and_grads(model, ids, att, resp, lean=False)
