@@ -111,19 +111,59 @@ def _rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None]
 
 
-def _fused(layer) -> tuple[tuple, tuple]:
-    """((qkv weight, bias), (gate_up weight, bias)) concatenated from the layer's parameters; under
-    autograd the concatenation's backward hands each parameter its slice of the gradient. A layer
-    that stores them fused (Phi-3's `qkv_proj`, `gate_up_proj`) gives its own parameters."""
+def _adapter(module):
+    """(A (r, in), B (out, r), scale) of a LoRA layer whose adapter is on, else None (one active
+    adapter: what raypai's trainer attaches)."""
+    if "peft" not in sys.modules:
+        return None
+    from raypai.alignment.lora import is_lora
+
+    if not is_lora(module) or module.disable_adapters or module.merged:
+        return None
+    (name,) = [n for n in module.active_adapters if n in module.lora_A]
+    return module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+
+
+def _base(module) -> torch.Tensor:
+    """A projection's own (out, in) weight: a LoRA layer's frozen base."""
+    return module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.weight
+
+
+class _Proj:
+    """One projection, or several stored apart and applied as one (q/k/v, gate/up): y = x Wᵀ + b,
+    the parts' weights concatenated (under autograd the concatenation's backward hands each its
+    slice of the gradient). For LoRA layers with their adapter on, each adapted part adds
+    s · (x Aᵀ) Bᵀ to its slice of the output (Hu et al. 2021, eq. 3): the frozen base weight gets
+    no gradient of its own and the adapters' costs r, not the weight's size. `merged=True` (decoding,
+    no autograd) folds the adapters into the weight once instead."""
+
+    def __init__(self, *modules, merged: bool = False):
+        weights = [_w(m) if merged else _base(m) for m in modules]
+        self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        biases = [m.bias for m in modules]
+        self.bias = biases[0] if len(biases) == 1 or biases[0] is None else torch.cat(biases)
+        adapters = [None if merged else _adapter(m) for m in modules]
+        self.adapters = adapters if any(a is not None for a in adapters) else None
+        self.sizes = [w.shape[0] for w in weights]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.adapters is None:
+            return y
+        parts = [
+            x.new_zeros((*x.shape[:-1], n)) if ad is None else ad[2] * F.linear(F.linear(x, ad[0]), ad[1])
+            for ad, n in zip(self.adapters, self.sizes)
+        ]
+        return y + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+
+
+def _fused(layer, merged: bool = False) -> tuple[_Proj, _Proj]:
+    """(qkv, gate_up) projections of a layer; a layer that stores them fused (Phi-3's `qkv_proj`,
+    `gate_up_proj`) gives its own."""
     a, m = layer.self_attn, layer.mlp
     if hasattr(a, "qkv_proj"):
-        return (_w(a.qkv_proj), a.qkv_proj.bias), (_w(m.gate_up_proj), m.gate_up_proj.bias)
-    qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-    gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-    return (
-        (torch.cat([_w(a.q_proj), _w(a.k_proj), _w(a.v_proj)]), qkv_b),
-        (torch.cat([_w(m.gate_proj), _w(m.up_proj)]), gu_b),
-    )
+        return _Proj(a.qkv_proj, merged=merged), _Proj(m.gate_up_proj, merged=merged)
+    return _Proj(a.q_proj, a.k_proj, a.v_proj, merged=merged), _Proj(m.gate_proj, m.up_proj, merged=merged)
 
 
 def _act(mlp):
@@ -141,7 +181,7 @@ def _qkv(layer, qkv, s: _Shape, x: torch.Tensor, cos, sin):
     """Rotated q (B, heads, T, d), rotated k and v (B, kv_heads, T, d) of one layer's attention;
     `cos`, `sin` from `_rotary`. The q and k heads are rotated together, in one pass."""
     B, T, _ = x.shape
-    h = F.linear(_rms(layer.input_layernorm, x), *qkv).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
+    h = qkv(_rms(layer.input_layernorm, x)).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
     qk = h[:, :, : s.heads + s.kv_heads]
     qk = (qk * cos + qk.roll(s.head_dim // 2, -1) * sin).transpose(1, 2)
     q, k = qk.split([s.heads, s.kv_heads], dim=1)
@@ -158,9 +198,9 @@ def _finish(layer, gate_up, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """Residual after the attention output o (…, heads·d) at x's positions (…, hidden), then the
     SwiGLU MLP's residual."""
     a, m = layer.self_attn, layer.mlp
-    x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
-    gate, up = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
-    return x + F.linear(_act(m)(gate) * up, _w(m.down_proj), m.down_proj.bias)
+    x = x + _Proj(a.o_proj)(o)
+    gate, up = gate_up(_rms(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
+    return x + _Proj(m.down_proj)(_act(m)(gate) * up)
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:
@@ -369,7 +409,7 @@ def _split(model, input_ids, where, plen, slen, group, firsts) -> torch.Tensor:
 
     for i, layer in enumerate(inner.layers):
         qkv, gate_up = _fused(layer)
-        h = F.linear(_rms(layer.input_layernorm, x), *qkv).view(-1, H + 2 * KV, D)
+        h = qkv(_rms(layer.input_layernorm, x)).view(-1, H + 2 * KV, D)
         qk, v = h.split([H + KV, KV], dim=1)
         q, k = (qk * cos + qk.roll(D // 2, -1) * sin).split([H, KV], dim=1)
         (qp, qs), (kp, ks), (vp, vs) = (t.split([n_p, B * Li]) for t in (q, k, v))
@@ -407,7 +447,7 @@ class LeanDecoder:
         self.embed, self.norm, self.rotary, self.head = inner.embed_tokens, inner.norm, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
         # the weights as they are now: a decoder is made per generation, after any weight load
-        self.fused = [_fused(layer) for layer in self.layers]
+        self.fused = [_fused(layer, merged=True) for layer in self.layers]
 
     def _layers(self, x: torch.Tensor, pos: torch.Tensor, at: slice, keys: int, mask: torch.Tensor) -> torch.Tensor:
         """Run every layer on x (B, T, hidden) whose tokens go to cache columns `at`; attention reads
@@ -472,8 +512,8 @@ class LeanDecoder:
         cos, sin = self._rotation(x, pos)
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, D)
         for i, layer in enumerate(self.layers):
-            (w, b), gate_up = self.fused[i]
-            h = F.linear(_rms(layer.input_layernorm, x), w, b).view(B, H + 2 * KV, D)
+            qkv, gate_up = self.fused[i]
+            h = qkv(_rms(layer.input_layernorm, x)).view(B, H + 2 * KV, D)
             qk = _rope(h[:, : H + KV], cos, sin)  # q and k heads rotated together
             self.k[i][:, :, t] = qk[:, H:]
             self.v[i][:, :, t] = h[:, H + KV :]
@@ -484,7 +524,7 @@ class LeanDecoder:
             o = torch.matmul(weights, values).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp
             x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
-            g, u = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
+            g, u = gate_up(_rms(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
             x = x + F.linear(_act(m)(g) * u, _w(m.down_proj), m.down_proj.bias)
         self.t = t + 1
         return self._logits(x)
@@ -521,8 +561,8 @@ class LeanDecoder:
         x = self.embed(self.tok_in)
         cos, sin = self.cos[self.pos_in][:, None], self.sin[self.pos_in][:, None]  # (B, 1, D)
         for i, layer in enumerate(self.layers):
-            (w, b), gate_up = self.fused[i]
-            h = F.linear(_rms(layer.input_layernorm, x), w, b).view(B, H + 2 * KV, D)
+            qkv, gate_up = self.fused[i]
+            h = qkv(_rms(layer.input_layernorm, x)).view(B, H + 2 * KV, D)
             qk = _rope(h[:, : H + KV], cos, sin)
             self.k[i].index_copy_(2, t, qk[:, H:, None])
             self.v[i].index_copy_(2, t, h[:, H + KV :, None])
@@ -531,7 +571,7 @@ class LeanDecoder:
             o = torch.matmul(weights, self.v[i]).reshape(B, H * D)
             a, m = layer.self_attn, layer.mlp
             x = x + F.linear(o, _w(a.o_proj), a.o_proj.bias)
-            g, u = F.linear(_rms(layer.post_attention_layernorm, x), *gate_up).chunk(2, dim=-1)
+            g, u = gate_up(_rms(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
             x = x + F.linear(_act(m)(g) * u, _w(m.down_proj), m.down_proj.bias)
         t.add_(1)
         self.pos_in.add_(1)

@@ -611,6 +611,148 @@ def check_update(new_tokens: int = 128, rounds: int = 4) -> None:
     check_offload(model, opt)
 
 
+class _Forward:
+    """The trainer role's forward for an objective (`losses.objectives.Model`), on CUDA: bf16 autocast,
+    raypai's lean log-probs (with LoRA: the adapters applied as merged weights)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logprobs(self, batch: dict, where=None) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], where=where)
+
+
+def check_lora(new_tokens: int = 128, steps: int = 4, r: int = 16) -> None:
+    """Issue #34 on a GPU: a GRPO update of the ~0.5B Qwen2 (8 prompts × 8, bf16 autocast over fp32
+    weights, AdamW) with full fine-tuning against LoRA r = 16 on every projection of its blocks (peft;
+    raypai's lean forward applying the adapters): peak memory, seconds a step and tokens/s; in fp32 the
+    lean LoRA log-probs equal peft's own forward and the adapters-off base equals the model before
+    LoRA; then the rollout's side: the adapters merged into a bf16 replica (`lora.merge_into`), the
+    bytes a sync sends, and the replica's decoding tokens/s."""
+    from raypai.alignment import lora as L
+    from raypai.alignment._decode import decode
+    from raypai.alignment.config import LoRASpec
+    from raypai.alignment.losses.objectives import GRPO
+
+    sampler = _qwen2_half_b().cuda().to(torch.bfloat16).eval()
+    prompts = [p for p in _random_prompts()[:8] for _ in range(8)]
+    comps = decode(sampler, prompts, pad_id=0, stop_ids=[151643], max_new_tokens=new_tokens).tokens
+    seqs = [p + t for p, t in zip(prompts, comps)]
+    width = max(map(len, seqs))
+    x = torch.zeros((64, width), dtype=torch.long)
+    m = torch.zeros((64, width), dtype=torch.long)
+    resp = torch.zeros((64, width - 1))
+    for i, (p, sq) in enumerate(zip(prompts, seqs)):
+        x[i, : len(sq)], m[i, : len(sq)] = torch.tensor(sq), 1
+        resp[i, len(p) - 1 : len(sq) - 1] = 1
+    seq = {"input_ids": x.cuda(), "attention_mask": m.cuda(), "response_mask": resp.cuda()}
+    halves = [{k: v[h] for k, v in seq.items()} for h in (slice(0, 32), slice(32, 64))]
+    adv = torch.randn(64).cuda()
+    objective = GRPO(group_size=8, aggregation="dapo", max_new_tokens=new_tokens)
+    spec = LoRASpec(r=r, alpha=2.0 * r)
+    del sampler
+    rows = {}
+    for mode in ("full", "lora"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = _qwen2_half_b().cuda().train()
+        if mode == "lora":
+            peft_model = L.attach(model, spec)
+            net = peft_model.get_base_model()
+            with torch.no_grad():  # B = 0 at the start: nudge the adapters so the equality checks can fail
+                for n, p in peft_model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 1e-3)
+            b = {k: v[:8] for k, v in seq.items()}
+            with torch.no_grad():
+                lean = token_logprobs(net, b["input_ids"], b["attention_mask"], where=b["response_mask"])
+                own = token_logprobs(net, b["input_ids"], b["attention_mask"], lean=False) * b["response_mask"]
+                with peft_model.disable_adapter():
+                    base = token_logprobs(net, b["input_ids"], b["attention_mask"], where=b["response_mask"])
+                plain = _qwen2_half_b().cuda()
+                want = token_logprobs(plain, b["input_ids"], b["attention_mask"], where=b["response_mask"])
+                del plain
+            emit(
+                check="lora_lean_logprobs_fp32_cuda_equal_peft_forward",
+                ok=float((lean - own).abs().max()) < 1e-3 and float((lean - base).abs().max()) > 1e-4,
+                max_abs_diff=float((lean - own).abs().max()),
+                adapters_move_logprobs_by=float((lean - base).abs().max()),
+            )
+            emit(
+                check="lora_reference_is_the_base_with_adapters_off",
+                ok=float((base - want).abs().max()) < 1e-5,
+                max_abs_diff=float((base - want).abs().max()),
+            )
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            net = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-6)
+        fwd, times = _Forward(net), []
+        for k in range(steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for h in (0, 1):  # two micro-batches of 4 prompts × 8
+                half = {"seq": halves[h], "advantages": adv[32 * h : 32 * h + 32], "old_lp": None, "ref_lp": None}
+                out = objective.loss(fwd, half)
+                (out.total / out.normaliser / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if k:
+                times.append(time.perf_counter() - t0)
+        step = sorted(times)[len(times) // 2]
+        trainable = sum(p.numel() for p in params)
+        sync = (
+            sum(v.numel() * v.element_size() for v in L.adapter_state(peft_model).values())
+            if mode == "lora"
+            else sum(p.numel() * 2 for p in model.parameters())  # a bf16 replica's copy of every weight
+        )
+        rows[mode] = {
+            "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "median_step_s": round(step, 4),
+            "tokens_per_s": round(int(m.sum()) / step),
+            "trainable_params": trainable,
+            "sync_bytes": sync,
+        }
+        emit(
+            check=f"grpo_update_qwen2_0.5b_{mode}", ok=bool(torch.isfinite(out.total).item()), steps=steps, **rows[mode]
+        )
+        if mode == "lora":  # the replica's side: merge the factors into a bf16 copy, decode with it
+            replica = _qwen2_half_b().cuda().to(torch.bfloat16).eval()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            L.merge_into(replica, L.adapter_state(peft_model), spec, {})
+            torch.cuda.synchronize()
+            merge_s = time.perf_counter() - t0
+            distinct = _random_prompts()
+            rate = _tokens_per_s(
+                lambda temperature, most: (
+                    decode(
+                        replica, distinct, pad_id=0, stop_ids=[], max_new_tokens=most, temperature=temperature
+                    ).tokens
+                ),
+                new_tokens,
+            )
+            emit(
+                check="lora_replica_merge_and_decode_bf16", ok=True, merge_s=round(merge_s, 3), tokens_per_s=round(rate)
+            )
+            del replica
+        del model, opt, params, fwd
+        if mode == "lora":
+            del peft_model, net
+    full, lora = rows["full"], rows["lora"]
+    emit(
+        check="lora_vs_full_grpo_update_qwen2_0.5b",
+        ok=lora["peak_memory_gb"] < full["peak_memory_gb"],
+        memory_ratio=round(lora["peak_memory_gb"] / full["peak_memory_gb"], 3),
+        step_time_ratio=round(lora["median_step_s"] / full["median_step_s"], 3),
+        sync_bytes_ratio=round(lora["sync_bytes"] / full["sync_bytes"], 4),
+    )
+
+
 def check_offload(model, opt) -> None:
     """Sleep/wake of a trainer between phases (raypai.alignment.offload): the 0.5B model's fp32
     weights and AdamW state leave the GPU and come back bitwise equal; seconds and GB/s, twice (the
@@ -747,7 +889,16 @@ def main() -> int:
         torch=torch.__version__,
         transformers=__import__("transformers").__version__,
     )
-    checks = (check_losses, check_training, check_serving, check_rollout, check_attention, check_update, check_roles)
+    checks = (
+        check_losses,
+        check_training,
+        check_serving,
+        check_rollout,
+        check_attention,
+        check_update,
+        check_roles,
+        check_lora,
+    )
     if len(sys.argv) > 1:
         checks = tuple(fn for fn in checks if fn.__name__ == f"check_{sys.argv[1]}")
     for fn in checks:
