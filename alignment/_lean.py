@@ -132,9 +132,10 @@ def _base(module) -> torch.Tensor:
 class _Proj:
     """One projection, or several stored apart and applied as one (q/k/v, gate/up): y = x Wᵀ + b,
     the parts' weights concatenated (under autograd the concatenation's backward hands each its
-    slice of the gradient). For LoRA layers with their adapter on, each adapted part adds
-    s · (x Aᵀ) Bᵀ to its slice of the output (Hu et al. 2021, eq. 3): the frozen base weight gets
-    no gradient of its own and the adapters' costs r, not the weight's size. `merged=True` (decoding,
+    slice of the gradient). For LoRA layers with their adapter on, the adapted parts add
+    s · (x Aᵀ) Bᵀ to their slices of the output (Hu et al. 2021, eq. 3), all parts in two matrix
+    products (their A stacked, their B block-diagonal): the frozen base weight gets no gradient of
+    its own and the adapters cost r, not the weight's size, in few kernels. `merged=True` (decoding,
     no autograd) folds the adapters into the weight once instead."""
 
     def __init__(self, *modules, merged: bool = False):
@@ -142,19 +143,19 @@ class _Proj:
         self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         biases = [m.bias for m in modules]
         self.bias = biases[0] if len(biases) == 1 or biases[0] is None else torch.cat(biases)
+        self.lora = None
         adapters = [None if merged else _adapter(m) for m in modules]
-        self.adapters = adapters if any(a is not None for a in adapters) else None
-        self.sizes = [w.shape[0] for w in weights]
+        if any(a is not None for a in adapters):
+            # a part without an adapter takes a zero block: (0 rows of A, out × 0 of B)
+            a = [ad[0] if ad else w.new_zeros((0, w.shape[1])) for ad, w in zip(adapters, weights)]
+            b = [ad[1] * ad[2] if ad else w.new_zeros((w.shape[0], 0)) for ad, w in zip(adapters, weights)]
+            self.lora = (a[0], b[0]) if len(a) == 1 else (torch.cat(a), torch.block_diag(*b))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        if self.adapters is None:
+        if self.lora is None:
             return y
-        parts = [
-            x.new_zeros((*x.shape[:-1], n)) if ad is None else ad[2] * F.linear(F.linear(x, ad[0]), ad[1])
-            for ad, n in zip(self.adapters, self.sizes)
-        ]
-        return y + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        return y + F.linear(F.linear(x, self.lora[0]), self.lora[1])
 
 
 def _fused(layer, merged: bool = False) -> tuple[_Proj, _Proj]:
