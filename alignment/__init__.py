@@ -16,6 +16,9 @@ _EXPORTS = {
     "run_dpo": "raypai.alignment.dpo",
     "run_grpo": "raypai.alignment.grpo",
     "run_ppo": "raypai.alignment.ppo",
+    "run_online_dpo": "raypai.alignment.online_dpo",
+    "ALGORITHMS": "raypai.alignment.algorithms",
+    "Trainer": "raypai.alignment.roles.trainer",
 }
 __all__ = list(_EXPORTS)
 

@@ -110,7 +110,7 @@ def launch(
     *,
     max_new_tokens: int,
     temperature: float,
-    top_p: float = 1.0,
+    top_p: float,
     logprobs: bool = False,
 ) -> Pending:
     """Start sampling n completions per prompt (PromptExample) on the rollout replicas; returns at
@@ -147,16 +147,6 @@ def collect(pending: Pending, *, pad_id: int) -> Samples:
         pending.extras(),
         behaviour,
         min((o.get("weights_version", 0) for o in outs), default=0),
-    )
-
-
-def sample(
-    rollouts: list, problems: list, n: int, *, pad_id: int, max_new_tokens: int, temperature: float, top_p: float = 1.0
-) -> Samples:
-    """n samples per problem, waited for (`launch` then `collect`)."""
-    return collect(
-        launch(rollouts, problems, n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p),
-        pad_id=pad_id,
     )
 
 

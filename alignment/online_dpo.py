@@ -104,6 +104,7 @@ def run_online_dpo(
                     cfg.num_samples,
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature,
+                    top_p=cfg.top_p,
                 )
                 if g:
                     ray.wait(now.refs, num_returns=len(now.refs))

@@ -400,7 +400,9 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
         )
 
         problems = [PromptExample("1+2=", {"answer": 3}), PromptExample("3+4=", {"answer": 7})]
-        one = collect(launch(rollouts, problems[:1], 8, max_new_tokens=6, temperature=1.0, logprobs=True), pad_id=0)
+        one = collect(
+            launch(rollouts, problems[:1], 8, max_new_tokens=6, temperature=1.0, top_p=1.0, logprobs=True), pad_id=0
+        )
         assert one.prompts == ["1+2="] * 8 and one.rows == {"answer": [3] * 8} and len(one.completions) == 8
         halves = [tuple(map(tuple, one.batch["input_ids"][i : i + 4].tolist())) for i in (0, 4)]
         assert halves[0] != halves[1]  # the two replicas drew different samples
@@ -409,7 +411,7 @@ def test_colocated_roles_share_one_bundle_and_two_replicas_split_one_group(ray_a
         torch.testing.assert_close(
             one.behaviour_lp * one.batch["response_mask"], lp * one.batch["response_mask"], atol=1e-4, rtol=0
         )
-        two = collect(launch(rollouts, problems, 3, max_new_tokens=4, temperature=1.0), pad_id=0)
+        two = collect(launch(rollouts, problems, 3, max_new_tokens=4, temperature=1.0, top_p=1.0), pad_id=0)
         assert two.prompts == ["1+2="] * 3 + ["3+4="] * 3 and two.rows == {"answer": [3] * 3 + [7] * 3}
 
         tok = AutoTokenizer.from_pretrained(tiny_model)
