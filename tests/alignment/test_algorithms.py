@@ -49,6 +49,32 @@ class Sink:
         self.rows.append((step, dict(metrics)))
 
 
+# The exact-match reward, each call's scores appended to LOG as one JSON line: the Reward actor is a
+# process of its own, and the test recounts from its scores the pairs a step had to train on.
+RECORDED_REWARD = """
+import json
+
+from raypai.alignment.tasks.arithmetic import exact_match_reward
+
+LOG = {log!r}
+
+
+def recorded_exact_match(prompts, completions, **columns):
+    out = exact_match_reward(prompts, completions, **columns)
+    with open(LOG, "a") as f:
+        f.write(json.dumps(out) + "\\n")
+    return out
+"""
+
+
+def ranked_pair_counts(log: Path, per_step: int, n: int) -> list[int]:
+    """Per training step (the reward calls that scored `per_step` samples, in order): how many of its
+    groups of n samples of one prompt do not all tie, i.e. the pairs best vs worst gives that step."""
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [c for c in calls if len(c) == per_step]
+    return [sum(max(c[g : g + n]) > min(c[g : g + n]) for g in range(0, per_step, n)) for c in steps]
+
+
 @pytest.fixture(scope="module")
 def sft(ray_align, tiny_model, tmp_path_factory):
     """SFT long enough to learn part of the table (held-out greedy accuracy ≈ 0.5), so RL has room."""
@@ -269,6 +295,9 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatc
     Each update is queued behind its samples, their scores and the reference's log-probs of the
     pairs with no round trip through the driver."""
     logger, order = Sink(), UpdateOrder(monkeypatch, "online_dpo_step_on")
+    log = tmp_path / "scores.jsonl"
+    (tmp_path / "odpo_rewards.py").write_text(RECORDED_REWARD.format(log=str(log)))
+    monkeypatch.syspath_prepend(str(tmp_path))
     o = run_dpo(
         sft[0],
         str(tmp_path / "odpo"),
@@ -277,13 +306,19 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatc
         DPOConfig(steps=20, batch_size=16, lr=5e-4, online=True, num_samples=4, max_new_tokens=3),
         prompts=PROMPTS,
         held_out=HELD_PROMPTS,
-        rewards=EXACT,
+        rewards=["odpo_rewards:recorded_exact_match"],
         run_name="t-odpo",
         logger=logger,
     )
     assert o["preference_accuracy_after"] > o["preference_accuracy_before"] and o["margin_after"] > o["margin_before"]
     assert {"eval_reward_before", "eval_reward_after"} <= set(o)
-    assert all(m["dpo/pairs"] > 0 and m["dpo/sync_bytes"] > 0 for s, m in logger.rows if s is not None)
+    assert len(HELD_PROMPTS) != 16 * 4  # the held-out scoring calls are told apart from the steps' by their size
+    expected = ranked_pair_counts(log, 16 * 4, 4)
+    assert len(expected) == 20  # one scoring of 16 prompts × 4 samples a step
+    # each step trained on exactly the groups whose samples do not all tie, and a step with none is not logged
+    logged = {s: m["dpo/pairs"] for s, m in logger.rows if s is not None}
+    assert logged == {s: k for s, k in enumerate(expected, 1) if k}, (logged, expected)
+    assert all(m["dpo/sync_bytes"] > 0 for s, m in logger.rows if s is not None)
     assert order.submitted_before_its_samples_were_waited_for() == [True] * 20
 
 

@@ -1,22 +1,27 @@
-"""Alignment on the user's own model, data and reward, for three model families with their own
+"""Alignment on the user's own model, data and reward, for four model families with their own
 tokenizer conventions (built here from transformers configs, no downloads):
 
 - Llama with a Llama-3-style template (<|eot_id|>, generation_config EOS list, no pad token),
 - Qwen2 with a ChatML template (<|im_start|>/<|im_end|>, EOS <|endoftext|>),
-- GPT-2 with no chat template (completion format, no pad token).
+- GPT-2 with no chat template (completion format, no pad token),
+- Phi-3 (q/k/v and gate/up fused in `qkv_proj`/`gate_up_proj`, untied head) with Phi-3's template:
+  <|end|> ends a turn, EOS <|endoftext|> closes a conversation, which no generation config lists.
 
-Per family: SFT (conversational and prompt/completion), DPO from a preference file, GRPO with a
-reward given by import path — each moving its held-out metric the right way — online DPO and PPO
-(short runs: their phases hand over through Ray on the family's tokens), an export that plain
-`transformers` loads and whose generation stops at that family's end token, and a deployment
-through the deploy API answering the OpenAI-compatible API, stopping at the same token."""
+Per family: SFT (conversational and prompt/completion), the rollout's decoding of the SFT model
+against `generate`, DPO from a preference file, GRPO with a reward given by import path — each
+moving its held-out metric the right way — online DPO and PPO (short runs: their phases hand over
+through Ray on the family's tokens), an export of the GRPO model that plain `transformers` loads
+and whose generation stops at that family's end token, and its deployment through the deploy API
+answering the OpenAI-compatible API, stopping at the same token."""
 
+import json
 import os
 import socket
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,15 +30,64 @@ import torch
 from raypai.alignment import DPOConfig, GRPOConfig, PPOConfig, SFTConfig, run_dpo, run_grpo, run_ppo, run_sft
 from raypai.alignment.data import load
 from raypai.alignment.tasks import arithmetic as ar
-from raypai.alignment.tasks.tiny import build_tiny_model
+from raypai.alignment.tasks.tiny import _bpe, build_tiny_model
 from raypai.chat import ChatFormat
 
-FAMILIES = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gpt2": "<|endoftext|>"}
-CHAT = {"llama3": True, "qwen2": True, "gpt2": False}
+FAMILIES = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gpt2": "<|endoftext|>", "phi3": "<|end|>"}
+CHAT = {"llama3": True, "qwen2": True, "gpt2": False, "phi3": True}
+LEAN = {"llama3": True, "qwen2": True, "gpt2": False, "phi3": True}  # raypai's lean forward covers the family
 TRAIN, HELD = ar.split()
 
+# Phi-3-mini-instruct's template: every turn ends with <|end|>, and a conversation rendered without a
+# generation prompt ends with EOS (<|endoftext|>)
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ '<|system|>\n' + m['content'] + '<|end|>\n' }}"
+    "{% elif m['role'] == 'user' %}{{ '<|user|>\n' + m['content'] + '<|end|>\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>\n' + m['content'] + '<|end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def build_tiny_phi3(out: Path, hidden: int = 64, layers: int = 2, vocab_size: int = 300) -> str:
+    """A random-init Phi3ForCausalLM and a byte-level BPE tokenizer with Phi-3's special tokens and
+    template (tokens trained on the tiny models' corpus, `raypai.alignment.tasks.tiny`). Its generation
+    config is the one `save_pretrained` writes (EOS only): <|end|> is found from the template."""
+    from transformers import Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_bpe(vocab_size, specials),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+    )
+    tok.chat_template = PHI3_TEMPLATE
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = Phi3Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    Phi3ForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
 REWARDS = '''
+import json
+
 from raypai.chat import text_of
+
+LOG = {log!r}
+
 
 def exact_answer(prompts, completions, answer, **_):
     """1 when the completion starts with the right sum (the user's reward, imported by path)."""
@@ -41,6 +95,15 @@ def exact_answer(prompts, completions, answer, **_):
     for c, a in zip(completions, answer):
         t = text_of(c).strip()
         out.append(1.0 if t.split(" ")[0] == str(a) else 0.0)
+    return out
+
+
+def recorded_exact_answer(prompts, completions, answer, **_):
+    """exact_answer, each call's scores appended to LOG as one JSON line (the Reward actor is a process
+    of its own): the test recounts from them the pairs online DPO had to train on."""
+    out = exact_answer(prompts, completions, answer)
+    with open(LOG, "a") as f:
+        f.write(json.dumps(out) + "\\n")
     return out
 '''
 
@@ -50,9 +113,9 @@ def user_files(tmp_path_factory):
     """The user's files: chats, prompt/completion rows, preference pairs, prompts with answers, and a
     reward module on sys.path (shipped to the Ray actors by value)."""
     d = tmp_path_factory.mktemp("user")
-    (d / "fam_rewards.py").write_text(textwrap.dedent(REWARDS))
+    (d / "fam_rewards.py").write_text(textwrap.dedent(REWARDS).format(log=str(d / "scores.jsonl")))
     sys.path.insert(0, str(d))
-    files = {}
+    files = {"scores": d / "scores.jsonl"}
     for chat in (True, False):
         tag = "chat" if chat else "plain"
         files[f"sft_{tag}"] = ar.write_jsonl(ar.sft_rows(TRAIN, chat), d / f"sft_{tag}.jsonl")
@@ -70,7 +133,10 @@ def family(request, ray_plain, user_files, tmp_path_factory):
     """A tiny random model of the family, then SFT on the user's file in the family's natural format."""
     fam = request.param
     d = tmp_path_factory.mktemp(fam)
-    base = build_tiny_model(d / "base", family=fam, hidden=64, layers=2)
+    if fam == "phi3":
+        base = build_tiny_phi3(d / "base")
+    else:
+        base = build_tiny_model(d / "base", family=fam, hidden=64, layers=2)
     tag = "chat" if CHAT[fam] else "plain"
     sft = run_sft(
         base,
@@ -117,6 +183,46 @@ def test_sft_prompt_completion_format_also_learns(family, user_files):
     assert m["eval_response_loss_after"] < 0.5 * m["eval_response_loss_before"], m
 
 
+def test_the_rollout_decodes_the_family_as_generate_does_and_stops_at_its_end_token(family):
+    """raypai's decoding loop on the SFT model (the lean forward where the family has one: Phi-3's
+    fused projections too; GPT-2 its own forward), greedy: the tokens of `generate` and the log-prob
+    of each under generate's own logits; the SFT model ends its answers with the family's end token."""
+    from transformers import AutoModelForCausalLM
+
+    from raypai.alignment._decode import decode
+
+    model = AutoModelForCausalLM.from_pretrained(family["sft"]).eval()
+    fmt = ChatFormat.from_pretrained(family["sft"])
+    end = fmt.tok.convert_tokens_to_ids(family["end"])
+    assert end in fmt.stop_ids
+    prompts = [fmt.prompt_ids(row["prompt"]) for row in ar.prompt_rows(HELD[:4], CHAT[family["name"]])]
+    mine = decode(
+        model,
+        prompts,
+        pad_id=fmt.tok.pad_token_id,
+        stop_ids=fmt.stop_ids,
+        max_new_tokens=8,
+        temperature=0,
+        logprobs=True,
+    )
+    assert mine.path == ("lean" if LEAN[family["name"]] else "model")
+    for p, toks, lps in zip(prompts, mine.tokens, mine.logprobs):  # one prompt at a time: no padding on HF's side
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=list(fmt.stop_ids),
+            pad_token_id=fmt.tok.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert toks == ref.sequences[0, len(p) :].tolist()
+        lp = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(ref.logits, toks)])
+        torch.testing.assert_close(lps, lp, atol=1e-4, rtol=0)
+    assert all(t and t[-1] == end for t in mine.tokens), [fmt.tok.convert_ids_to_tokens(t) for t in mine.tokens]
+
+
 def test_dpo_from_a_preference_file_raises_preference_accuracy(family, user_files):
     tag = family["tag"]
     d = run_dpo(
@@ -157,28 +263,18 @@ def _sampled_reward(model_dir: str, problems: list, chat: bool, n: int = 16) -> 
 ASYNC = ("gpt2", "qwen2")  # the families whose GRPO run below overlaps sampling and update
 
 
-def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(family, user_files):
-    """GRPO maximises the expected reward of the policy's samples on its prompts: measured afresh, the
-    exported policy's samples (1,280: 16 per training prompt) score higher under the user's reward than
-    the SFT model's, with the same seed (an update that did nothing would score exactly the same).
-    Not asserted: the held-out greedy reward. A 2-layer model does not learn addition from 80 sums, so
-    over 30 steps it wandered (−0.05, −0.1, +0.1 for Qwen2, GPT-2 and Llama on one machine; it rose for
-    all three on the machine earlier sessions used) while the training samples' reward rose by
-    0.08–0.10 for all three (≈ 6 standard errors); it is printed with the failure message.
-    GPT-2 (its own forward, not the Llama-family fast path) and Qwen2 (the fast path, with q/k/v
-    biases) train with `async_rollout=True`: the next batch is sampled from the weights one step
-    behind, with its behaviour log-probs from the rollout engine, and the policy must still learn.
-    Llama-3 stays synchronous (each phase hands its outputs to the next through Ray)."""
+@pytest.fixture(scope="module")
+def grpo(family, user_files):
+    """GRPO from the family's SFT model with the user's reward by import path: the model the GRPO
+    test measures and the export and deployment tests load (a failed run fails them all)."""
     tag = family["tag"]
-    train = load(user_files[f"prompts_{tag}"], "prompt")
-    held = load(user_files[f"prompts_{tag}_held"], "prompt")
     out = str(family["dir"] / "grpo")
     logger = _Rows()
-    g = run_grpo(
+    metrics = run_grpo(
         family["sft"],
         out,
-        train,
-        held,
+        load(user_files[f"prompts_{tag}"], "prompt"),
+        load(user_files[f"prompts_{tag}_held"], "prompt"),
         GRPOConfig(
             steps=30,
             prompts_per_step=16,
@@ -192,11 +288,25 @@ def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(fami
         run_name=f"fam-grpo-{family['name']}",
         logger=logger,
     )
-    lags = [m["policy_lag_steps"] for step, m in logger.rows if step is not None]
+    return {"dir": out, "metrics": metrics, "rows": logger.rows}
+
+
+def test_grpo_with_a_reward_by_import_path_raises_the_reward_of_its_samples(family, grpo):
+    """GRPO maximises the expected reward of the policy's samples on its prompts: measured afresh, the
+    exported policy's samples (1,280: 16 per training prompt) score higher under the user's reward than
+    the SFT model's, with the same seed (an update that did nothing would score exactly the same).
+    Not asserted: the held-out greedy reward. A 2-layer model does not learn addition from 80 sums, so
+    over 30 steps it wandered (−0.05, −0.1, +0.1 for Qwen2, GPT-2 and Llama on one machine; it rose for
+    all three on the machine earlier sessions used) while the training samples' reward rose by
+    0.08–0.10 for all three (≈ 6 standard errors); it is printed with the failure message.
+    GPT-2 (its own forward, not the Llama-family fast path) and Qwen2 (the fast path, with q/k/v
+    biases) train with `async_rollout=True`: the next batch is sampled from the weights one step
+    behind, with its behaviour log-probs from the rollout engine, and the policy must still learn.
+    Llama-3 and Phi-3 stay synchronous (each phase hands its outputs to the next through Ray)."""
+    lags = [m["policy_lag_steps"] for step, m in grpo["rows"] if step is not None]
     assert lags == ([0] + [1] * 29 if family["name"] in ASYNC else [0] * 30), lags  # async: one step behind
-    before, after = (_sampled_reward(m, TRAIN, CHAT[family["name"]]) for m in (family["sft"], out))
-    assert after > before + 0.03, (before, after, g)
-    family["grpo"] = out
+    before, after = (_sampled_reward(m, TRAIN, CHAT[family["name"]]) for m in (family["sft"], grpo["dir"]))
+    assert after > before + 0.03, (before, after, grpo["metrics"])
 
 
 def _moved(model_dir: str, start_dir: str) -> bool:
@@ -219,6 +329,7 @@ def test_online_dpo_and_ppo_hand_their_phases_over_on_the_family(family, user_fi
     held = load(user_files[f"prompts_{tag}_held"], "prompt")[:4]
     logger = _Rows()
     out = str(family["dir"] / "odpo")
+    user_files["scores"].unlink(missing_ok=True)  # the reward's record of this run's scores
     run_dpo(
         family["sft"],
         out,
@@ -227,12 +338,21 @@ def test_online_dpo_and_ppo_hand_their_phases_over_on_the_family(family, user_fi
         DPOConfig(steps=4, batch_size=8, num_samples=4, max_new_tokens=4, lr=1e-3, online=True),
         prompts=train,
         held_out=held,
-        rewards=["fam_rewards:exact_answer"],
+        rewards=["fam_rewards:recorded_exact_answer"],
         run_name=f"fam-odpo-{name}",
         logger=logger,
     )
     steps = [m for step, m in logger.rows if step is not None]
-    assert steps and all(m["dpo/pairs"] > 0 and torch.isfinite(torch.tensor(m["dpo/loss"])) for m in steps), steps
+    assert steps and all(torch.isfinite(torch.tensor(m["dpo/loss"])) for m in steps), steps
+    # per step, the pairs best vs worst takes from the step's 8 groups of 4 samples, recounted from the
+    # reward's scores (the held-out scoring calls score 4 greedy completions): every group whose samples
+    # do not all tie, and a step where all tie is not logged
+    calls = [json.loads(line) for line in user_files["scores"].read_text().splitlines()]
+    per_step = [c for c in calls if len(c) == 8 * 4]
+    assert len(per_step) == 4 and len(held) != 8 * 4, [len(c) for c in calls]
+    expected = [sum(max(c[g : g + 4]) > min(c[g : g + 4]) for g in range(0, 32, 4)) for c in per_step]
+    logged = {step: m["dpo/pairs"] for step, m in logger.rows if step is not None}
+    assert logged == {s: k for s, k in enumerate(expected, 1) if k}, (logged, expected)
     assert _moved(out, family["sft"])
     logger = _Rows()
     out = str(family["dir"] / "ppo")
@@ -252,10 +372,11 @@ def test_online_dpo_and_ppo_hand_their_phases_over_on_the_family(family, user_fi
     assert _moved(out, family["sft"])
 
 
-def test_export_loads_in_plain_transformers_and_stops_at_the_family_end_token(family):
+def test_export_loads_in_plain_transformers_and_stops_at_the_family_end_token(family, grpo):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = family.get("grpo", family["sft"])
+    out = grpo["dir"]
+    assert json.loads((Path(out) / "raypai.json").read_text())["algorithm"] == "grpo"
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     end_id = tok.convert_tokens_to_ids(family["end"])
@@ -314,11 +435,12 @@ def serving_stack(ray_plain, tmp_path_factory):
         os.environ["RAYPAI_SERVE_PORT"] = before
 
 
-def test_each_family_deploys_and_answers_the_openai_api_stopping_at_its_end_token(family, serving_stack):
-    """Registered from the exported folder, deployed through the deploy API, queried with `openai`."""
+def test_each_family_deploys_and_answers_the_openai_api_stopping_at_its_end_token(family, grpo, serving_stack):
+    """The GRPO model, registered from its exported folder, deployed through the deploy API, queried
+    with `openai`."""
     import openai
 
-    version = serving_stack["tracker"].register_model(family.get("grpo", family["sft"]), f"fam-{family['name']}")
+    version = serving_stack["tracker"].register_model(grpo["dir"], f"fam-{family['name']}")
     r = httpx.post(
         f"{serving_stack['api']}/api/v1/deployments",
         timeout=300,
