@@ -1,6 +1,7 @@
 """`raypai align` and `raypai model import`: alignment on the user's own model, data and rewards.
 
     raypai model import ./Qwen2-0.5B-Instruct --name qwen-base          # an HF folder → artifact store + registry
+    raypai model import dpo-adapter/ --base models:/qwen-base@base --name qwen-dpo [--merge]  # a LoRA adapter on it
     raypai align sft --model models:/qwen-base@base --data chats.jsonl --out sft_model/
     raypai align dpo --model sft_model/ --data prefs.jsonl --eval-data prefs_eval.jsonl --out dpo_model/
     raypai align grpo --model sft_model/ --data prompts.jsonl --reward my_pkg.rewards:accuracy=1 \\
@@ -8,7 +9,9 @@
 
 ALGO is a name in raypai.alignment.algorithms.ALGORITHMS; --config holds the fields of its config
 class (SFTConfig, RewardModelConfig, DPOConfig, GRPOConfig, PPOConfig in raypai.alignment.config). The data, the model folder, the reward import
-paths and the config are all checked before Ray starts.
+paths and the config are all checked before Ray starts. With LoRA (`lora_r: 16` in --config) the
+merged model goes to --out and the adapter beside it, to --out + "-adapter" (dpo_model/ and
+dpo_model-adapter/); the printed summary counts the trainable and total parameters.
 """
 
 from __future__ import annotations
@@ -85,41 +88,122 @@ def align_command(
         )
     finally:
         ray.shutdown()
-    typer.echo(json.dumps(res, indent=1, default=str))
+    written = {"model": str(out)}
+    if cfg.lora():  # the merged model in --out, the adapter beside it (trainable_params/total_params in res)
+        from raypai.alignment.lora import adapter_folder
+
+        written["adapter"] = adapter_folder(out)
+    typer.echo(json.dumps({**written, **res}, indent=1, default=str))
 
 
 @model_app.command("import")
 def import_command(
-    path: Path = typer.Argument(..., help="an HF causal-LM folder (config.json, weights, tokenizer)"),
+    path: Path = typer.Argument(..., help="an HF causal-LM folder, or with --base a LoRA adapter (PEFT) folder"),
     name: str = typer.Option(..., "--name", help="registered model name"),
-    alias: str = typer.Option("base", help="registry alias set on the new version"),
+    alias: Optional[str] = typer.Option(
+        None, help="registry alias set on the new version [default: base; with --base: adapter, or merged]"
+    ),
+    base: Optional[str] = typer.Option(
+        None, "--base", help="models:/NAME@ALIAS: PATH is a LoRA adapter of this registered model"
+    ),
+    merge: bool = typer.Option(
+        False, "--merge", help="with --base: register the base with the adapter merged in (servable)"
+    ),
 ):
-    """Copy an HF model folder into the artifact store and register it (a lineage root)."""
+    """Copy an HF model folder into the artifact store and register it (a lineage root); with --base,
+    a LoRA adapter on a registered base model (its lineage reaches the base), or with --merge the
+    merged model that raypai serves."""
+    from raypai.alignment import adapters
     from raypai.alignment.models import check_causal_lm
-    from raypai.alignment.steps import model_import
+    from raypai.alignment.steps import adapter_import, model_import
     from raypai.cli.render import Progress
+    from raypai.errors import ConfigError
     from raypai.runner import Runner
     from raypai.settings import Settings
 
-    check_causal_lm(path, "imported")  # before Ray starts
-    result = Runner(Settings.load(), progress=Progress()).run(
-        model_import.build(path=str(path.absolute()), name=name, alias=alias)
-    )
+    settings = Settings.load()
+    what = "raypai model import"
+    if base is None:  # everything is checked before Ray starts
+        if merge:
+            raise ConfigError(
+                ["--merge merges a LoRA adapter into its base: pass --base models:/NAME@ALIAS"], what=what
+            )
+        if adapters.is_adapter(path):
+            raise ConfigError(
+                [
+                    f"{str(path)!r} is a LoRA adapter, not a model: pass --base models:/NAME@ALIAS, the registered "
+                    "model it was trained on"
+                ],
+                what=what,
+            )
+        check_causal_lm(path, "imported")
+        alias = alias or "base"
+        dag = model_import.build(path=str(path.absolute()), name=name, alias=alias)
+    else:
+        alias = alias or ("merged" if merge else "adapter")
+        base_art, pinned = _adapter_base(path, base, settings)
+        dag = adapter_import.build(
+            path=str(path.absolute()), base_model=base_art, base_uri=pinned, name=name, alias=alias, merge=merge
+        )
+    result = Runner(settings, progress=Progress()).run(dag)
     if not result.ok:
         raise typer.Exit(1)
     art = result.result
-    typer.echo(
-        json.dumps(
-            {
-                "model": name,
-                "alias": alias,
-                "artifact_id": art.id,
-                "digest": art.digest,
-                "uri": f"models:/{name}@{alias}",
-            },
-            indent=1,
+    shown = {
+        "model": name,
+        "alias": alias,
+        "artifact_id": art.id,
+        "digest": art.digest,
+        "uri": f"models:/{name}@{alias}",
+    }
+    if base is not None:
+        shown.update(base=pinned, merged=merge, kind="merged model" if merge else "lora adapter")
+    typer.echo(json.dumps(shown, indent=1))
+
+
+def _adapter_base(path: Path, base: str, settings) -> tuple:
+    """The registered base of an adapter: (its model artifact, its version as models:/NAME/VERSION).
+    One ConfigError when `base` is not a model registered by raypai, or `path` is not a LoRA adapter
+    whose tensors fit the base's layers."""
+    from raypai.alignment import adapters
+    from raypai.alignment.models import _split_uri
+    from raypai.errors import ConfigError, NotFoundError
+    from raypai.runtime import tracker
+    from raypai.store import MetadataStore
+    from raypai.tracking import ADAPTER_OF_TAG, ARTIFACT_TAG
+
+    def refuse(problem: str):
+        return ConfigError([problem], what="raypai model import --base")
+
+    if not base.startswith("models:/"):
+        raise refuse(f"--base {base!r} is not a registered model: pass models:/NAME@ALIAS")
+    name, _, ref = _split_uri(base)
+    registry = tracker(settings)
+    try:
+        version, tags = registry.resolve_model(name, ref)
+    except NotFoundError:
+        raise refuse(
+            f"the adapter's base {base} is not registered: register the base model first "
+            f"(`raypai model import BASE_DIR --name {name}`), then its adapters on it"
+        ) from None
+    pinned = f"models:/{name}/{version}"
+    if tags.get(ADAPTER_OF_TAG):
+        raise refuse(
+            f"--base {base} is itself a LoRA adapter (on {tags[ADAPTER_OF_TAG]}): pass the model it applies to"
         )
-    )
+    try:
+        artifact = MetadataStore(settings.database_url).get_artifact(tags.get(ARTIFACT_TAG) or "")
+    except NotFoundError:
+        raise refuse(
+            f"the adapter's base {base} was registered outside raypai (its version has no {ARTIFACT_TAG} tag, or "
+            "this raypai home does not hold that artifact): import its folder with `raypai model import BASE_DIR "
+            f"--name {name}` and pass that as --base"
+        ) from None
+    base_dir = registry.download_model(name, version, cache_dir=settings.home / "cache" / "models")
+    problems = adapters.check(path, base_dir, pinned)
+    if problems:
+        raise ConfigError(problems, what="raypai model import --base")
+    return artifact, pinned
 
 
 def _read_config(path: Path) -> dict:

@@ -189,6 +189,12 @@ def merge_into(model, adapter: dict, spec: LoRASpec, base: dict) -> dict:
     return base
 
 
+def adapter_folder(out_dir) -> str:
+    """Where a LoRA run's adapter goes: beside its merged model, `out_dir` + "-adapter" (`dpo/` →
+    `dpo-adapter/`); `raypai align` and the steps read it from here."""
+    return f"{str(out_dir).rstrip('/')}-adapter"
+
+
 def param_counts(model) -> tuple[int, int]:
     """(trainable, total) parameters."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

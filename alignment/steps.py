@@ -10,6 +10,11 @@ alignment_data, arithmetic_data, sft, reward_model, dpo, online_dpo, grpo, ppo, 
 Model steps take model Artifacts (HF folders), dataset Artifacts and the algorithm's typed config
 (a dataclass or a plain dict of its fields) and return a model Artifact whose metadata holds the
 run's metrics and parent ids. Without `eval_data`, a seeded `eval_fraction` of the data is held out.
+With LoRA (`lora_r` > 0 in the config) a model step has a second output, "adapter" (`step["adapter"]`
+in a pipeline): the LoRA adapter, whose base is the step's input model; the step's own output stays
+the merged model.
+
+    adapter = import_adapter(path="dpo-adapter/", base_model=base, register_as="qwen-dpo")  # a PEFT folder
 """
 
 from __future__ import annotations
@@ -51,9 +56,12 @@ def _examples(data: Artifact, eval_data: Artifact | None, kind: str, eval_fracti
     return D.split(train, eval_fraction, seed)
 
 
-def _train(ctx: StepContext, algo: str, model: Artifact, train, held, cfg, parents: dict, **inputs) -> Artifact:
+def _train(ctx: StepContext, algo: str, model: Artifact, train, held, cfg, parents: dict, **inputs):
     """What every model step does: run the algorithm's driver (`algorithms.run`) on `model` into the
-    step's output folder, then log the metrics and save the model artifact, its lineage `parents`."""
+    step's output folder, then log the metrics and save the model artifact, its lineage `parents`.
+    With LoRA (`lora_r` > 0) the step has two outputs: "output", the merged model (what the next step
+    or a deploy takes, as without LoRA), and "adapter", the adapter itself (PEFT format) with `model`
+    as its base; each names the other in its metadata."""
     entry = A.get(algo)
     lineage = {k: a.id for k, a in parents.items() if a is not None}
     out = ctx.output_dir(algo)
@@ -71,7 +79,26 @@ def _train(ctx: StepContext, algo: str, model: Artifact, train, held, cfg, paren
         **inputs,
     )
     ctx.log_metrics(metrics)
-    return ctx.save(out, kind="model", name=entry.artifact, metadata={"metrics": metrics, "parents": lineage})
+    meta = {"metrics": metrics, "parents": lineage}
+    spec = cfg.lora()
+    if spec is None:
+        return ctx.save(out, kind="model", name=entry.artifact, metadata=meta)
+    from raypai.alignment.lora import adapter_folder
+
+    role = next(k for k, a in parents.items() if a is model)
+    adapter = ctx.save(
+        adapter_folder(out),
+        kind="model",
+        name=f"{entry.artifact}_adapter",
+        metadata={
+            "lora_adapter": {"r": spec.r, "alpha": spec.alpha, "target_modules": list(spec.target_modules)},
+            "base_model": model.id,  # the adapter applies to this artifact's weights
+            "metrics": metrics,
+            "parents": {role: model.id},
+        },
+    )
+    merged = ctx.save(out, kind="model", name=entry.artifact, metadata={**meta, "adapter": adapter.id})
+    return {"output": merged, "adapter": adapter}
 
 
 def _on_examples(ctx: StepContext, algo: str, model: Artifact, model_role: str, data, eval_data, config, eval_fraction):
@@ -93,7 +120,7 @@ def _on_prompts(
     rewards: list[str] | None,
     reward_model: Artifact | None = None,
     eval_pairs: Artifact | None = None,
-) -> Artifact:
+) -> Artifact | dict:
     """A model step that samples from prompt rows, scored by `rewards` (online DPO, GRPO, PPO)."""
     cfg = _cfg(algo, config)
     if reward_model is None and getattr(cfg, "reward_model_weight", 0):
@@ -189,7 +216,7 @@ def sft(
     config: C.SFTConfig | dict | None = None,
     eval_fraction: float = 0.1,
     ptx_shards: Artifact | None = None,
-) -> Artifact:
+) -> Artifact | dict:
     """SFT on `data` (messages or prompt/completion rows). `ptx_shards` (token shards) with
     config.ptx_coef > 0 mixes pretraining blocks into every step so SFT keeps what pretraining learned."""
     cfg = _cfg("sft", config)
@@ -211,7 +238,7 @@ def reward_model(
     eval_data: Artifact | None = None,
     config: C.RewardModelConfig | dict | None = None,
     eval_fraction: float = 0.1,
-) -> Artifact:
+) -> Artifact | dict:
     """A Bradley–Terry reward model (scalar head on the SFT model) from preference rows."""
     return _on_examples(ctx, "reward_model", sft_model, "sft_model", data, eval_data, config, eval_fraction)
 
@@ -224,7 +251,7 @@ def dpo(
     eval_data: Artifact | None = None,
     config: C.DPOConfig | dict | None = None,
     eval_fraction: float = 0.1,
-) -> Artifact:
+) -> Artifact | dict:
     """Offline DPO (sigmoid / IPO / hinge, label smoothing) on preference rows."""
     return _on_examples(ctx, "dpo", sft_model, "sft_model", data, eval_data, config, eval_fraction)
 
@@ -239,7 +266,7 @@ def online_dpo(
     eval_prompts: Artifact | None = None,
     config: C.DPOConfig | dict | None = None,
     eval_fraction: float = 0.1,
-) -> Artifact:
+) -> Artifact | dict:
     """Online DPO: `num_samples` completions per prompt ranked by `rewards` (import paths), best vs
     worst; preference accuracy measured on `eval_pairs`."""
     return _on_prompts(
@@ -265,7 +292,7 @@ def grpo(
     eval_prompts: Artifact | None = None,
     config: C.GRPOConfig | dict | None = None,
     eval_fraction: float = 0.1,
-) -> Artifact:
+) -> Artifact | dict:
     """GRPO on prompt rows with `rewards` (import paths 'pkg.mod:fn[=weight]'; extra columns of the
     rows reach them) plus the reward model, weighted by config.reward_model_weight, when given."""
     return _on_prompts(
@@ -283,7 +310,7 @@ def ppo(
     eval_prompts: Artifact | None = None,
     config: C.PPOConfig | dict | None = None,
     eval_fraction: float = 0.1,
-) -> Artifact:
+) -> Artifact | dict:
     """PPO with a critic (initialised from the reward model when given), `rewards` and the reward model."""
     return _on_prompts(
         ctx, "ppo", sft_model, prompts, eval_prompts, config, eval_fraction, rewards=rewards, reward_model=reward_model
@@ -361,6 +388,74 @@ def import_model(ctx: StepContext, path: str, name: str = "", register_as: str =
         version = ctx.register_model(art, register_as, {"source": src}, alias=alias or None)
         ctx.log_metrics({"registered_version": version})
     return art
+
+
+@step(cpus=0.25)
+def import_adapter(
+    ctx: StepContext,
+    path: str,
+    base_model: Artifact,
+    base_uri: str = "",
+    name: str = "",
+    register_as: str = "",
+    alias: str = "adapter",
+    merge: bool = False,
+) -> Artifact | dict:
+    """A LoRA adapter folder (PEFT format) → a model artifact whose lineage has `base_model` (the
+    registered base it applies to) and the source folder; checked against the base first (a folder
+    that is no PEFT adapter, or whose tensors do not fit the base's layers, is refused). Registered as
+    `register_as` when given, tagged with its base (`raypai.tracking.ADAPTER_OF_TAG`: `base_uri`, the
+    base's registry version as models:/NAME/VERSION, else its artifact id). `merge`: the
+    base with the adapter merged in is saved too, and it is what is registered: a plain HF folder
+    that raypai serves (an adapter alone is not deployed). Returns the adapter, or with `merge`
+    {"output": merged model, "adapter": adapter}."""
+    from raypai.alignment import adapters
+    from raypai.errors import ConfigError
+    from raypai.tracking import ADAPTER_OF_TAG
+
+    base_dir = base_model.local_path()
+    base_uri = base_uri or f"artifact:{base_model.id}"
+    problems = adapters.check(path, base_dir, base_uri)
+    if problems:
+        raise ConfigError(problems, what="adapter")
+    src = ctx.register_source(path, name=name or None)
+    meta = {
+        "lora_adapter": adapters.spec_of(path),
+        "base_model": base_model.id,  # the adapter applies to this artifact's weights
+        "base_uri": base_uri,
+        "imported_from": str(path),
+    }
+    adapter = ctx.save(path, kind="model", name=name or Path(path).name, metadata=meta)
+    if not merge:
+        if register_as:
+            inputs = {"source": src, "base_model": base_model}
+            tags = {ADAPTER_OF_TAG: base_uri}
+            version = ctx.register_model(adapter, register_as, inputs, alias=alias or None, local_dir=path, tags=tags)
+            ctx.log_metrics({"registered_version": version})
+        return adapter
+    out = ctx.output_dir("merged")
+    adapters.merge(path, base_dir, out)
+    merged = ctx.save(
+        out,
+        kind="model",
+        name=f"{name or Path(path).name}-merged",
+        metadata={"merged_from": {"adapter": adapter.id, "base_model": base_model.id}, "adapter": adapter.id},
+    )
+    if register_as:
+        inputs = {"source": src, "adapter": adapter, "base_model": base_model}
+        version = ctx.register_model(merged, register_as, inputs, alias=alias or None, local_dir=out)
+        ctx.log_metrics({"registered_version": version})
+    return {"output": merged, "adapter": adapter}
+
+
+@pipeline(name="adapter-import")
+def adapter_import(
+    path: str, base_model: Artifact, base_uri: str, name: str, alias: str = "adapter", merge: bool = False
+):
+    """`raypai model import ADAPTER_DIR --base models:/NAME@ALIAS --name N [--merge]` as a one-step pipeline."""
+    return import_adapter(
+        path=path, base_model=base_model, base_uri=base_uri, name=name, register_as=name, alias=alias, merge=merge
+    )
 
 
 @pipeline(name="model-import")

@@ -18,7 +18,7 @@ from raypai.serving.model_server import ModelServer
 from raypai.serving.router import Router, app_name
 from raypai.settings import Settings
 from raypai.store import MetadataStore
-from raypai.tracking import Tracker
+from raypai.tracking import ADAPTER_OF_TAG, Tracker
 
 ROUTER_APP = "raypai-router"
 __all__ = ["Controller", "DeploymentConflict", "ROUTER_APP", "serve_port"]
@@ -97,11 +97,17 @@ class Controller:
     def _resolve(self, model: str, version: int | None, alias: str | None) -> int:
         ref = version if version is not None else (alias or DEFAULT_ALIAS)
         try:
-            v, _ = self.tracker.resolve_model(model, ref)
+            v, tags = self.tracker.resolve_model(model, ref)
         except NotFoundError as exc:
             raise DeployError(
                 f"refused: {exc}. Only models registered in the MLflow registry can be deployed"
             ) from None
+        if tags.get(ADAPTER_OF_TAG):  # a PEFT folder, not a model: a replica would have no weights to load
+            raise DeployError(
+                f"refused: {model} version {v} is a LoRA adapter on {tags[ADAPTER_OF_TAG]}, not a model; register "
+                f"the merged model and deploy that: `raypai model import ADAPTER_DIR --base {tags[ADAPTER_OF_TAG]} "
+                f"--name {model}-merged --merge`"
+            )
         return v
 
     # ---- desired state --------------------------------------------------------------------------

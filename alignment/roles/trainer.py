@@ -341,7 +341,9 @@ class Trainer(Sleeps):
         out = Path(out_dir)
         model = self.engine.module
         if self.lora is not None:
-            adapter = Path(adapter_dir or f"{out_dir.rstrip('/')}-adapter")
+            from raypai.alignment.lora import adapter_folder
+
+            adapter = Path(adapter_dir or adapter_folder(out_dir))
             model.save_pretrained(adapter, safe_serialization=True)
             copy_tokenizer_files(self.model_dir, adapter)
             if extra is not None:

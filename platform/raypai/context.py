@@ -88,19 +88,20 @@ class StepContext:
         *,
         alias: str | None = None,
         local_dir: str | Path | None = None,
+        tags: dict | None = None,
     ) -> int:
         """Register the saved model artifact `model` in the MLflow registry as `name` (optionally
         setting `alias`; `local_dir`: the folder it was saved from, saving a download), tagged with its lineage (raypai.tracking.lineage_tags: the artifact, this
-        step run, `inputs`); returns the registry version."""
+        step run, `inputs`) and `tags`; returns the registry version."""
         from raypai.tracking import lineage_tags
 
-        tags = lineage_tags(
+        lineage = lineage_tags(
             model, run_id=self.run_id, step_run_id=self.step_run_id, pipeline=self.pipeline, inputs=inputs
         )
         return self.tracker.register_model(
             local_dir or self.artifacts.open_artifact(model),
             name,
-            tags=tags,
+            tags={**lineage, **(tags or {})},
             alias=alias,
             run_id=self.logger.run_id if self.logger else None,
         )

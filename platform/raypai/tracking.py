@@ -104,6 +104,9 @@ class RunLogger:
 
 # Set on every model version raypai registers: the way back from the registry to raypai's lineage.
 ARTIFACT_TAG = "raypai.artifact_id"
+# Set on a registered LoRA adapter (a PEFT folder, not a model): the base version it applies to,
+# as "models:/NAME/VERSION". Deploys refuse such a version and name the merge that makes it servable.
+ADAPTER_OF_TAG = "raypai.adapter_of"
 
 
 def lineage_tags(model, *, run_id: str, step_run_id: str, pipeline: str, inputs: dict) -> dict:
@@ -196,9 +199,10 @@ class Tracker:
         tags: dict | None = None,
         alias: str | None = None,
     ) -> int:
-        """Upload an HF model folder under the run's `model/` and create a registry version."""
+        """Upload an HF model folder (or a PEFT adapter folder) under the run's `model/` and create a
+        registry version."""
         model_dir = Path(model_dir)
-        if not (model_dir / "config.json").exists():
+        if not any((model_dir / f).exists() for f in ("config.json", "adapter_config.json")):
             raise StoreError(f"{model_dir} is not a Hugging Face model folder (no config.json); export the model first")
         if run_id is None:
             run_id = self.start_run("raypai-models", f"register-{name}")
@@ -258,7 +262,7 @@ class Tracker:
         # and a re-created model restarts at 1; either would otherwise serve the other's weights.
         key = hashlib.sha256(f"{self.uri}\0{source}".encode()).hexdigest()[:12]
         target = Path(cache_dir) / name / f"{version}-{key}"
-        if (target / "config.json").exists():
+        if (target / "config.json").exists() or (target / "adapter_config.json").exists():
             return target
         tmp = target.parent / f".{version}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True, exist_ok=True)
