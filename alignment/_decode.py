@@ -32,9 +32,9 @@ from raypai.errors import ConfigError
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (logits / T would overflow)
 # CPU decoding steps use one more thread per this many FLOPs of a step (2 × rows × parameters):
 # below it a step's operations are too small to split, and every parallel region's fork/join costs
-# more than the work it shares (measured on the benchmark model: 64 rows, ≈ 80 MFLOP a step, decode
-# 1 thread ≈ 92 ms vs 2 threads ≈ 112 ms for 16 tokens). The rollout (`Rollout.generate`) runs its
-# whole call on the threads this gives its batch, the prefill included; `decode` uses the caller's.
+# more than the work it shares (benchmarks/history/asides.md). The rollout (`Rollout.generate`)
+# runs its whole call on the threads this gives its batch, the prefill included; `decode` uses the
+# caller's.
 STEP_FLOPS_PER_THREAD = 1e8
 CHECK_EVERY = 8  # the static loop asks the device whether every row has ended once per this many tokens
 # a compiled step is specialised to its batch's shape (rows × cache width): prompts are left-padded

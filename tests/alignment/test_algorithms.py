@@ -27,6 +27,7 @@ from raypai.alignment import (
 )
 from raypai.alignment.checkpoint import has_checkpoint
 from raypai.alignment.data import preference_examples, prompt_examples, sft_examples
+from raypai.alignment.losses.objectives import GRPO, OnlineDPO, PPOPolicy
 from raypai.alignment.tasks import arithmetic as ar
 
 TRAIN, HELD = ar.split()
@@ -203,18 +204,19 @@ def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_pa
 
 
 class UpdateOrder:
-    """Watches the driver: each policy update it submits (`update`, the trainer's method:
-    `PolicyTrainer.grpo_step_on`, `online_dpo_step_on`) and the first `ray.get` that waits for it.
+    """Watches the driver: each policy update it submits (`Trainer.update_on` with an `objective` of
+    that class: GRPO, OnlineDPO, PPOPolicy) and the first `ray.get` that waits for it.
     `waited_first()`: the steps whose update the driver waited for before it submitted the next
     step's (a spy on the real calls; nothing is replaced)."""
 
-    def __init__(self, monkeypatch, update: str = "grpo_step_on"):
+    def __init__(self, monkeypatch, objective: type = GRPO):
         self.events: list = []
         remote, get = ray.actor.ActorMethod._remote, ray.get
 
         def spy_remote(method, *a, **k):
             ref = remote(method, *a, **k)
-            if method._method_name == update:
+            args = k.get("args", a[0] if a else None) or ()
+            if method._method_name == "update_on" and isinstance(args[0], objective):
                 self.events.append(("submit", ref))
             elif method._method_name == "generate":
                 self.events.append(("generate", ref))
@@ -294,7 +296,7 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatc
     (right answer vs a near miss) are never trained on, yet their implicit-reward ranking improves.
     Each update is queued behind its samples, their scores and the reference's log-probs of the
     pairs with no round trip through the driver."""
-    logger, order = Sink(), UpdateOrder(monkeypatch, "online_dpo_step_on")
+    logger, order = Sink(), UpdateOrder(monkeypatch, OnlineDPO)
     log = tmp_path / "scores.jsonl"
     (tmp_path / "odpo_rewards.py").write_text(RECORDED_REWARD.format(log=str(log)))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -325,7 +327,7 @@ def test_online_dpo_learns_from_its_own_ranked_samples(sft, tmp_path, monkeypatc
 def test_ppo_trains_policy_and_critic(sft, tmp_path, monkeypatch):
     """Policy and critic learn, checkpoints rotate; every update (two epochs a step) is queued behind
     its samples, scores, log-probs and values with no round trip through the driver."""
-    logger, order = Sink(), UpdateOrder(monkeypatch, "ppo_step_on")
+    logger, order = Sink(), UpdateOrder(monkeypatch, PPOPolicy)
     ckpt = tmp_path / "ppo-ckpt"
     p = run_ppo(
         sft[0],
