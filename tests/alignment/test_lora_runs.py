@@ -4,8 +4,8 @@ did not learn cannot reach), with no Reference actor placed (the reference is th
 its adapters off), GRPO's rollout replicas take the adapter factors alone at each sync, and every run
 writes the merged model and the PEFT adapter beside it. A pipeline step saves both as artifacts.
 
-LoRA adapts a trained model: on a random-init one its frozen embeddings and head (logits within
-about ±1) keep the response loss near log(vocab) whatever the adapters do. So each family's base is
+LoRA adapts a trained model: on a random-init one its frozen embeddings and head (every logit within
+±1.7) keep the response loss near log(vocab) whatever the adapters do. So each family's base is
 first fine-tuned in full (module fixture, 150 steps) on answers of which 70 % carry a stray "~"
 before the number, a habit its greedy answers then all show; the LoRA runs start from it."""
 
