@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning (issue #34): DPO and GRPO with a KL term (so full fine-tuning needs a
 reference model) on a ~10M-parameter Qwen2-shape model, raypai at its defaults but for `lora_r`.
 
-    .venv/bin/python benchmarks/align_lora.py                    # 2 rounds × 4 runs, one JSON line per run, then summaries
+    .venv/bin/python benchmarks/align_lora.py                    # 2 rounds × 4 runs: 27 min on a 2-vCPU VM at load 8-23
     .venv/bin/python benchmarks/align_lora.py --rounds 1 --grpo-steps 3 --dpo-steps 8   # smoke run
     .venv/bin/python benchmarks/align_lora.py --only grpo --rounds 3
 
@@ -9,16 +9,20 @@ The model: a random-init Qwen2 (hidden 384, 8 layers, 6 query / 2 key-value head
 embeddings, a ChatML tokenizer of 365 tokens: 10.38 M parameters), `build_tiny_model(family="qwen2")`.
 Each (algorithm × lora_r 0 / 16) runs in a subprocess of its own with its own local Ray, nothing else
 of this script alive beside it; the configurations are interleaved over `--rounds` rounds (the order
-flips every round) and the summaries take medians.
+flips every round). One JSON line per run, then one summary line per algorithm (medians over the
+rounds, LoRA's ratio to full fine-tuning, the goals).
 - DPO: `run_dpo` with DPOConfig's defaults (batch 8, β 0.1, lr 5e-4; LoRA: lr 10× by default) for
   `--dpo-steps` steps on 64 pairs from `a+b=` problems (chosen = the sum, rejected = a near miss);
-  preference accuracy and margin on 16 held-out problems' pairs. No rollout, so no sync.
+  preference accuracy and margin on 16 held-out problems' pairs. No rollout, so no sync. Placement
+  gives the full run's trainer 2 torch threads (its bundle holds the Reference's 0.5 CPU too) and
+  the LoRA run's 1, so their rates also differ by thread count.
 - GRPO: `run_grpo` with GRPOConfig's defaults (8 prompts × 8 samples, at most 6 new tokens,
   token-mean loss, synchronous, lr 5e-4) but β = 0.04 (DeepSeekMath's; the default 0 needs no
-  reference at all), for `--grpo-steps` steps on 64 chat prompts. The reward is 1 / (1 + |n − a−b|)
-  for a completion starting with an integer n, else 0 (`closeness`: a random model never gets a sum
-  exactly right, so the exact-answer rule would be 0 everywhere and teach nothing); held-out reward
-  = that reward of greedy completions of 16 held-out prompts after the last step.
+  reference at all) and no held-out evaluation inside the loop, for `--grpo-steps` steps on 64
+  chat prompts. The reward is 1 / (1 + |n − (a+b)|) for a completion starting with an integer n, else
+  0 (`closeness`: a random model never gets a sum exactly right, so the exact-answer rule would be 0
+  everywhere and teach nothing); held-out reward = that reward of greedy completions of 16 held-out
+  prompts after the last step.
 Measured at the end of the last step, with every role still alive:
 - tensor bytes, inside each role's process (`actor.__ray_call__`, no role method added): parameters
   and buffers (by storage, so tied weights count once), gradients (one per trainable parameter:
@@ -210,6 +214,8 @@ def child(args) -> dict:
                 "sync_bytes": None,  # offline DPO has no rollout to sync
             }
         else:
+            # eval_every past the last step: the driver measures the held-out reward after the last
+            # step anyway, and an evaluation inside the loop would only repeat it (and run before the probe)
             cfg = GRPOConfig(steps=steps, beta=GRPO_BETA, seed=args.seed, eval_every=10**6, lora_r=args.lora_r)
             summary = run_grpo(
                 args.model,
