@@ -13,6 +13,15 @@ def check_causal_lm(model_dir: str | Path, role: str = "policy") -> str:
     """The folder, if transformers can build a causal LM from it; else one ConfigError with the fix."""
     path = Path(model_dir)
     cfg_file = path / "config.json"
+    if not cfg_file.is_file() and (path / "adapter_config.json").is_file():
+        raise ConfigError(
+            [
+                f"{role} model {str(model_dir)!r} is a LoRA adapter, not a model: pass the merged model written "
+                "beside it (OUT for OUT-adapter), or merge it into its base with `raypai model import ADAPTER_DIR "
+                "--base models:/NAME@ALIAS --name NAME --merge`"
+            ],
+            what="model",
+        )
     if not cfg_file.is_file():
         raise ConfigError(
             [

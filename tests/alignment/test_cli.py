@@ -90,7 +90,8 @@ def _align(algo, tmp_path, **given):
     from raypai.alignment.cli import align_command
 
     options = dict(eval_data=None, reward=[], reward_model=None, pairs=None, config=None, eval_fraction=0.1)
-    return align_command(algo, str(tmp_path / "m"), str(tmp_path / "d.jsonl"), tmp_path / "out", **{**options, **given})
+    model = given.pop("model", str(tmp_path / "m"))
+    return align_command(algo, model, str(tmp_path / "d.jsonl"), tmp_path / "out", **{**options, **given})
 
 
 def test_align_reads_the_algorithm_registry_and_refuses_inputs_an_algorithm_does_not_take(tmp_path):
@@ -167,6 +168,8 @@ def test_align_with_lora_writes_the_merged_model_and_its_adapter_which_registers
     refused(adapter, "models:/no-such-model@base", r"base models:/no-such-model@base is not registered")
     refused(model, "models:/qwen-tiny@base", r"is not a PEFT adapter folder \(no adapter_config.json\)")
     refused(adapter, None, r"is a LoRA adapter, not a model: pass --base")
+    with pytest.raises(ConfigError, match=r"dpo-adapter' is a LoRA adapter, not a model: pass the merged model"):
+        _align("dpo", tmp_path, model=adapter)  # aligning an adapter: its merged model is what to train on
     other = build_tiny_model(tmp_path / "gpt2", family="gpt2", hidden=48, layers=1)
     lora = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
     get_peft_model(AutoModelForCausalLM.from_pretrained(other), lora).save_pretrained(tmp_path / "gpt2-adapter")
