@@ -101,7 +101,7 @@ def import_command(
     path: Path = typer.Argument(..., help="an HF causal-LM folder, or with --base a LoRA adapter (PEFT) folder"),
     name: str = typer.Option(..., "--name", help="registered model name"),
     alias: Optional[str] = typer.Option(
-        None, help="registry alias set on the new version [default: base; with --base: adapter, or merged]"
+        None, help="registry alias set on the new version (default: base; with --base: adapter; with --merge: merged)"
     ),
     base: Optional[str] = typer.Option(
         None, "--base", help="models:/NAME@ALIAS: PATH is a LoRA adapter of this registered model"
