@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install lint test test-floor test-vllm demo demo-stop bench clean
+.PHONY: install lint test test-fast test-floor test-vllm demo demo-stop bench clean
 
 # The last line: DeepSpeed JIT-compiles its CPU shared-memory comm op the first time a process group
 # starts (~30 s on 2 cores, then cached under ~/.cache/torch_extensions); built here, with the other
@@ -43,12 +43,20 @@ TESTS ?= tests
 TEST_WORKERS ?= 2
 PG_PROBE := import psycopg, sys; psycopg.connect(sys.argv[1].replace("+psycopg", ""), connect_timeout=3).close()
 
-test: $(STAMP)
-	@if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE)' '$(PG_TEST_URL)' 2>/dev/null; then \
+PG_ENV := if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE)' '$(PG_TEST_URL)' 2>/dev/null; then \
 		echo "PostgreSQL answers at $(PG_TEST_URL): RAYPAI_TEST_DATABASE_URL set for the tests"; \
 		export RAYPAI_TEST_DATABASE_URL='$(PG_TEST_URL)'; \
-	fi; \
-	$(BIN)/python -m pytest $(TESTS) -q --durations=60 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	fi
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
+test: $(STAMP)
+	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=60 $(XDIST)
+
+# The inner loop: every test that needs no Ray, Serve or process of its own (tests/conftest.py's
+# `--fast`: the `integration` tests are left out, and one that starts Ray or a process anyway is
+# skipped there and then). `make test` runs them all.
+test-fast: $(STAMP)
+	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --fast $(XDIST)
 
 # The oldest transformers pyproject allows (4.54: the engine's `cache.layers`), laid over the venv
 # in a separate folder, with the tests of the code that uses transformers' generation and chat APIs.

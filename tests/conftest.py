@@ -1,16 +1,28 @@
 """Shared test set-up: quiet, CPU-only services; a fresh RAYPAI_HOME per test; PostgreSQL databases.
 
 Markers are applied here, from what a test needs, so none can be forgotten:
-  postgres  - the test uses the PostgreSQL server (fixture pg_server_url / pg_url, or db_url's
-              "postgresql" case); skipped, and said so loudly at the end, without RAYPAI_TEST_DATABASE_URL
-  slow      - the end-to-end runs under tests/e2e/ (`pytest -m "not slow"` for a quick pass)
-  gpu       - needs CUDA (set on the test itself, with a skipif naming the reason)
+  postgres     - the test uses the PostgreSQL server (fixture pg_server_url / pg_url, or db_url's
+                 "postgresql" case); skipped, and said so loudly at the end, without RAYPAI_TEST_DATABASE_URL
+  slow         - the end-to-end runs under tests/e2e/ (`pytest -m "not slow"` leaves them out)
+  integration  - starts Ray, Serve or a process of its own: a fixture it uses (directly or through
+                 another) is one of _INTEGRATION_FIXTURES, or it is under tests/e2e/
+  gpu          - needs CUDA (set on the test itself, with a skipif naming the reason)
+
+`pytest --fast` (`make test-fast`) runs every test that needs no Ray, Serve or process: the
+`integration` ones are deselected, and one that starts Ray or a process all the same is skipped at
+that moment (the guards below), so a new test is classified by what it does, with no list to keep.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
+import sysconfig
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +35,9 @@ os.environ.setdefault("RAYPAI_DASHBOARD", "0")
 # A local Ray prestarts one idle Python worker per logical CPU for its first driver (8 here, on 2
 # cores); most tests use a few, so the rest only cost CPU at every one of the suite's Ray starts.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Ray Train starts a preemption watcher actor per run (≈ 2.6 CPU-s: a Python worker importing Ray
+# Train) that polls for nodes being drained, which a test's one-machine Ray never does.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 _RAYPAI_VARS = (
     "RAYPAI_HOME",
@@ -89,13 +104,93 @@ def _file_rank(item) -> int:
     return next((i for i, name in enumerate(_LONGEST_FIRST) if path.endswith("tests/" + name)), len(_LONGEST_FIRST))
 
 
+# ---- integration tests and `--fast` ----------------------------------------------------------------
+
+# The fixtures that start Ray (and Serve on it) or another process. A test using one of them, directly
+# or through another fixture, is `integration`.
+_INTEGRATION_FIXTURES = frozenset(
+    {
+        "shared_ray",  # below: ray_plain, ray_align and the other fixtures built on it
+        "ray_train",  # tests/train/conftest.py
+        "ray_local",  # tests/data/*: Ray of their own CPU count
+        "ray_two_cpus",
+        "stack",  # tests/serving/test_serving.py: Ray, Serve and the deploy API
+        "running_services",  # tests/infra/conftest.py: `raypai services up`
+    }
+)
+_REPO = str(Path(__file__).resolve().parents[1])
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_FAST_SKIP = "{what}: an integration test (`make test` runs it; `make test-fast` does not)"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="only the tests that need no Ray, Serve or process of their own (make test-fast)",
+    )
+
+
+def _is_integration(item) -> bool:
+    return "e2e" in item.path.parts or bool(_INTEGRATION_FIXTURES & set(item.fixturenames))
+
+
+def _started_here() -> bool:
+    """Whether the process being started was asked for by this repository's code (a test, raypai),
+    rather than by a library doing its own work (torch's compiler runs g++, Ray starts its daemons)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
+        frame = frame.f_back  # subprocess.run, shutil, ...: look at who called them
+    name = frame.f_code.co_filename if frame is not None else ""
+    return name.startswith(_REPO) and "site-packages" not in name
+
+
+def _refuse(what: str):
+    """Under --fast: stop the running test as skipped; a report of a test that failed after this
+    (the refusal hit a thread of it) is turned into the same skip by pytest_runtest_makereport."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    _FAST_REFUSED.setdefault(test, what)
+    pytest.skip(_FAST_SKIP.format(what=what))
+
+
+_FAST_REFUSED: dict[str, str] = {}  # nodeid -> what it started, under --fast
+
+
+def _install_fast_guards() -> None:
+    import ray
+
+    @functools.wraps(ray.init)
+    def init(*args, **kwargs):
+        _refuse("starts Ray")
+
+    ray.init = init  # Serve, Ray Data and Ray's auto-init all come through ray.init
+
+    popen_init = subprocess.Popen.__init__
+
+    @functools.wraps(popen_init)
+    def guarded_popen_init(self, args, *rest, **kwargs):
+        if _started_here():
+            self._child_created = False  # what Popen.__del__ reads of a Popen that never started
+            argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+            _refuse(f"starts a process ({Path(str(argv[0])).name})")
+        popen_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded_popen_init
+
+
 def pytest_configure(config):
     # registered here rather than in pyproject.toml's list, next to the rule that applies the others
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped with the reason where there is none")
+    config.addinivalue_line(
+        "markers", "integration: starts Ray, Serve or a process of its own (applied by tests/conftest.py)"
+    )
+    if config.getoption("fast"):
+        _install_fast_guards()
 
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: files keep their order among equals, tests theirs within a file
+    fast, deselected = config.getoption("fast"), []
     for item in items:
         if _needs_postgres(item):
             item.add_marker(pytest.mark.postgres)
@@ -103,13 +198,32 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=_PG_SKIP))
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+        if _is_integration(item):
+            item.add_marker(pytest.mark.integration)
+            if fast:
+                deselected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        out = set(deselected)
+        items[:] = [item for item in items if item not in out]
+    _SHARED_RAY_FILES.update(item.path for item in items if "shared_ray" in item.fixturenames)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    what = _FAST_REFUSED.get(item.nodeid)
+    if what and report.failed:  # the refusal was raised in a thread of the test and it failed for that
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] + 1, "Skipped: " + _FAST_SKIP.format(what=what))
+    return report
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: printed after the short test summary
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """A loud line when PostgreSQL tests were skipped: a green run then did not test the production layer."""
     result = yield
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "postgres" in getattr(r, "keywords", ())]
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if _PG_VAR in str(r.longrepr)]
     if not skipped:
         return result
     tr = terminalreporter
@@ -138,14 +252,97 @@ def raypai_home(tmp_path, monkeypatch):
     return Settings.load()
 
 
+# ---- one local Ray per test process, kept from one module for the next that can use it -------------
+
+# A local Ray's start and stop cost ≈ 6 CPU-seconds (11 with the dashboard) besides the test's own
+# work. Module fixtures built on `shared_ray` (ray_plain, ray_align, ...) take the test process's
+# shared one, started with the options asked when it lacks them (the dashboard, another CPU count).
+# At a module's end it is kept when the next module (the next test's file) uses `shared_ray` and
+# nothing of this module is left on it; else it is shut down, and so is any other Ray (a module's
+# own, the runner's), as every Ray was before.
+_NEXT_ITEM: list = [None]  # the test that runs after the current one (None: the last)
+_SHARED_RAY_FILES: set = set()  # the test files of which a test uses `shared_ray`
+
+
+class _SharedRay:
+    def __init__(self):
+        self.gcs: str | None = None
+        self.num_cpus = 0
+        self.dashboard = False
+
+    def running(self) -> bool:
+        import ray
+
+        return self.gcs is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == self.gcs
+
+    def get(self, *, num_cpus: int, dashboard: bool) -> str:
+        """The GCS address of a local Ray with these options (the dashboard: at least)."""
+        import ray
+
+        if self.running() and self.num_cpus == num_cpus and (self.dashboard or not dashboard):
+            return self.gcs
+        if ray.is_initialized():
+            ray.shutdown()
+        ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False)
+        self.gcs, self.num_cpus, self.dashboard = ctx.address_info["gcs_address"], num_cpus, dashboard
+        return self.gcs
+
+    def left_clean(self, wait_s: float = 10.0) -> bool:
+        """Nothing of the module that ends is left: no actor that is not dead, no placement group,
+        every resource free (no task running). An actor's exit takes a moment to be recorded."""
+        import ray
+        from ray._private.state import actors
+
+        total = {k: v for k, v in ray.cluster_resources().items() if k not in ("memory", "object_store_memory")}
+        deadline = time.monotonic() + wait_s
+        while True:
+            free = ray.available_resources()
+            if (
+                all(free.get(k, 0) >= v - 1e-6 for k, v in total.items())
+                and all(a["State"] == "DEAD" for a in actors().values())
+                and all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+            ):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+_SHARED_RAY = _SharedRay()
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """`shared_ray(num_cpus=8, dashboard=False)` -> the GCS address of this test process's shared
+    local Ray (for module-scoped fixtures: it may be stopped at a module's end)."""
+
+    def get(*, num_cpus: int = 8, dashboard: bool = False) -> str:
+        return _SHARED_RAY.get(num_cpus=num_cpus, dashboard=dashboard)
+
+    return get
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _NEXT_ITEM[0] = nextitem
+    return (yield)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _ray_shutdown_after_module():
-    """A module that started Ray (directly or through the runner) leaves none behind."""
+    """A module that started Ray (directly or through the runner) leaves none behind, but the shared
+    one, which it leaves clean for the next module when that one uses it."""
     yield
+    if "ray" not in sys.modules:
+        return
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+    if not ray.is_initialized():
+        return
+    nxt = _NEXT_ITEM[0]
+    if _SHARED_RAY.running() and nxt is not None and nxt.path in _SHARED_RAY_FILES and _SHARED_RAY.left_clean():
+        return
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -5,25 +5,21 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest
-import ray
 
 
 @pytest.fixture(scope="module")
-def ray_align():
+def ray_align(shared_ray):
     """A local Ray with its dashboard (the state API behind `list_actors` lives there); yields the GCS
-    address so state queries reach *this* instance even when colleagues run other Ray clusters."""
-    ctx = ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
-    yield ctx.address_info["gcs_address"]
-    ray.shutdown()
+    address so state queries reach *this* instance even when colleagues run other Ray clusters. The
+    test process's shared Ray (tests/conftest.py), started with the dashboard if it has none."""
+    return shared_ray(num_cpus=8, dashboard=True)
 
 
 @pytest.fixture(scope="module")
-def ray_plain():
-    """A local Ray without the dashboard, for modules that never query the state API: the dashboard's
-    processes take seconds of CPU to start and keep a little busy all module long."""
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_plain(shared_ray):
+    """A local Ray for modules that never query the state API: the shared one (tests/conftest.py),
+    started without the dashboard when none runs, whose processes take seconds of CPU to start."""
+    return shared_ray(num_cpus=8)
 
 
 @pytest.fixture(scope="module")
