@@ -190,3 +190,35 @@ def test_bad_lora_settings_give_one_clear_error_before_any_actor(tmp_path):
     with pytest.raises(ConfigError, match="QLoRA is not supported"):
         check_lora(model_dir, GRPOConfig(lora_r=8))
     check_lora(model_dir, GRPOConfig())  # full fine-tuning: nothing to check
+
+
+def test_lora_trains_alike_at_every_zero_stage_and_checkpoints_the_adapters_only(tmp_path):
+    """ZeRO stages 0-2 give the same LoRA updates (one rank); a LoRA checkpoint holds the adapters
+    and their optimizer state, not the base (a fraction of a full checkpoint), and resumes exactly."""
+    from pathlib import Path
+
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", family="qwen2")
+    batch = _batch(6)
+    runs = []
+    for stage in (0, 1, 2):
+        t = Trainer(model_dir, 1e-2, zero_stage=stage, seed=0, lora=SPEC)
+        runs.append([t.update_on(SFT(), batch)["loss"] for _ in range(3)])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5) and runs[2] == pytest.approx(runs[0], rel=1e-5)
+    assert runs[0][-1] < runs[0][0]
+
+    def saved_bytes(trainer, folder) -> int:
+        trainer.save_checkpoint(str(folder), "step-000001")
+        return sum(p.stat().st_size for p in Path(folder, "step-000001").rglob("*.pt"))
+
+    lora = Trainer(model_dir, 1e-2, seed=0, lora=SPEC)
+    lora.update_on(SFT(), batch)
+    full = Trainer(model_dir, 1e-2, seed=0)
+    full.update_on(SFT(), batch)
+    lora_bytes, full_bytes = saved_bytes(lora, tmp_path / "ck-lora"), saved_bytes(full, tmp_path / "ck-full")
+    assert lora_bytes < 0.3 * full_bytes, (lora_bytes, full_bytes)
+    want = lora.update_on(SFT(), batch)["loss"]
+    resumed = Trainer(model_dir, 1e-2, seed=0, lora=SPEC)
+    resumed.load_checkpoint(str(tmp_path / "ck-lora"), "step-000001")
+    assert resumed.update_on(SFT(), batch)["loss"] == pytest.approx(want, rel=1e-6)
