@@ -47,7 +47,7 @@ PG_ENV := if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE
 		echo "PostgreSQL answers at $(PG_TEST_URL): RAYPAI_TEST_DATABASE_URL set for the tests"; \
 		export RAYPAI_TEST_DATABASE_URL='$(PG_TEST_URL)'; \
 	fi
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=60 $(XDIST)

@@ -82,26 +82,34 @@ def _needs_postgres(item) -> bool:
 
 
 # The files that take longest (minutes each, measured in `make test`'s durations) start first, so that
-# with several test processes (`--dist loadfile` hands out whole files in this order) none is left
-# running a long file alone at the end. Order inside a file is kept.
+# with several test processes none is left running a long file alone at the end. Order inside a file
+# is kept. `make test` hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`:
+# xdist's own order is by number of tests).
 _LONGEST_FIRST = (
     "alignment/test_families.py",
     "train/test_pretrain.py",
-    "e2e/test_tinychat.py",
-    "serving/test_serving.py",
     "alignment/test_algorithms.py",
-    "test_runtime.py",
-    "e2e/test_finetune.py",
+    "serving/test_serving.py",
+    "e2e/test_tinychat.py",
     "cli/test_cli.py",
-    "train/test_cli_train.py",
+    "alignment/test_roles.py",
+    "data/test_dedup_dist.py",
+    "alignment/test_decode.py",
+    "e2e/test_finetune.py",
+    "infra/test_production_run.py",
+    "store/test_metadata.py",
     "alignment/test_cli.py",
+    "test_runtime.py",
     "train/test_steps.py",
+    "infra/test_local_cluster.py",
+    "train/test_cli_train.py",
 )
+_TESTS = Path(__file__).resolve().parent
 
 
 def _file_rank(item) -> int:
-    path = item.path.as_posix()
-    return next((i for i, name in enumerate(_LONGEST_FIRST) if path.endswith("tests/" + name)), len(_LONGEST_FIRST))
+    name = item.path.relative_to(_TESTS).as_posix()
+    return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
 
 
 # ---- integration tests and `--fast` ----------------------------------------------------------------
@@ -190,6 +198,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: files keep their order among equals, tests theirs within a file
+    _SHARED_RAY_FILES.update(item.path for item in items if "shared_ray" in item.fixturenames)
     fast, deselected = config.getoption("fast"), []
     for item in items:
         if _needs_postgres(item):
@@ -206,7 +215,6 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=deselected)
         out = set(deselected)
         items[:] = [item for item in items if item not in out]
-    _SHARED_RAY_FILES.update(item.path for item in items if "shared_ray" in item.fixturenames)
 
 
 @pytest.hookimpl(wrapper=True)

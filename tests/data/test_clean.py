@@ -6,7 +6,6 @@ from collections import defaultdict
 
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from raypai.artifacts import digest_dir
 from raypai.data import IngestConfig, clean, ingest, synth
@@ -15,10 +14,9 @@ from raypai.errors import ConfigError, DataError
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_local(shared_ray):
+    """The test process's shared local Ray (tests/conftest.py) with 4 CPUs."""
+    return shared_ray(num_cpus=4)
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,9 @@ CHAINS, LINKS = 3, 6
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_local(shared_ray):
+    """The test process's shared local Ray (tests/conftest.py) with 4 CPUs."""
+    return shared_ray(num_cpus=4)
 
 
 def _chain(rng: random.Random, c: int) -> list[str]:
