@@ -82,9 +82,9 @@ def _needs_postgres(item) -> bool:
 
 
 # The files that take longest (minutes each, measured in `make test`'s durations) start first, so that
-# with several test processes none is left running a long file alone at the end. Order inside a file
-# is kept. `make test` hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`:
-# xdist's own order is by number of tests).
+# with several test processes none is left running a long file alone at the end (_order). `make test`
+# hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`: xdist's own order is
+# by number of tests).
 _LONGEST_FIRST = (
     "alignment/test_families.py",
     "train/test_pretrain.py",
@@ -158,7 +158,7 @@ def _refuse(what: str):
     (the refusal hit a thread of it) is turned into the same skip by pytest_runtest_makereport."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
     _FAST_REFUSED.setdefault(test, what)
-    pytest.skip(_FAST_SKIP.format(what=what))
+    pytest.skip(_FAST_SKIP.format(what=what), allow_module_level=True)  # also when a module starts one on import
 
 
 _FAST_REFUSED: dict[str, str] = {}  # nodeid -> what it started, under --fast
@@ -196,8 +196,28 @@ def pytest_configure(config):
         _install_fast_guards()
 
 
+def _ray_kind(path: Path, items) -> int:
+    """The shared Ray a file asks for, in the order they are handed out: the dashboard first (ray_align),
+    which the plain ones (ray_plain) reuse, then those of another CPU count."""
+    names = set().union(*(item.fixturenames for item in items if item.path == path))
+    return 0 if "ray_align" in names else 1 if "ray_plain" in names else 2
+
+
+def _order(items) -> list:
+    """Files longest first (_LONGEST_FIRST), except that the files on the shared Ray follow the longest
+    one as a block: while one test process runs the longest file, the other takes the block's files
+    one after the other, on one Ray. Tests keep their order within a file."""
+    items = sorted(items, key=_file_rank)  # stable
+    first = [item for item in items if item.path == items[0].path] if items else []
+    shared = {item.path for item in items if "shared_ray" in item.fixturenames} - {items[0].path if items else None}
+    kind = {path: _ray_kind(path, items) for path in shared}
+    block = sorted((item for item in items if item.path in shared), key=lambda item: kind[item.path])
+    rest = [item for item in items if item.path not in shared and item not in first]
+    return first + block + rest
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_file_rank)  # stable: files keep their order among equals, tests theirs within a file
+    items[:] = _order(items)
     _SHARED_RAY_FILES.update(item.path for item in items if "shared_ray" in item.fixturenames)
     fast, deselected = config.getoption("fast"), []
     for item in items:
