@@ -6,22 +6,26 @@
     raypai align dpo --model sft_model/ --data prefs.jsonl --eval-data prefs_eval.jsonl --out dpo_model/
     raypai align grpo --model sft_model/ --data prompts.jsonl --reward my_pkg.rewards:accuracy=1 \\
         --reward my_pkg.rewards:brevity=0.1 --config grpo.yaml --out grpo_model/   # re-run resumes from OUT.ckpt/
+    raypai align grpo --model sft_model/ --config grpo.yaml --plan   # the memory plan per role and rank; no Ray
 
 ALGO is a name in raypai.alignment.algorithms.ALGORITHMS; --config holds the fields of its config
 class (SFTConfig, RewardModelConfig, DPOConfig, GRPOConfig, PPOConfig in raypai.alignment.config). The data, the model folder, the reward import
 paths and the config are all checked before Ray starts. With LoRA (`lora_r: 16` in --config) the
 merged model goes to --out and the adapter beside it, to --out + "-adapter" (dpo_model/ and
-dpo_model-adapter/); the printed summary counts the trainable and total parameters.
+dpo_model-adapter/); the printed summary counts the trainable and total parameters. `--plan` prints
+the run's memory plan (`raypai.alignment.plan`, docs/scaling.md) and exits 0 when it fits, 2 with the
+config changes that would fit when it does not; it needs neither --data nor --out and starts nothing.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
+from raypai import exits
 from raypai.alignment import algorithms as A
 
 model_app = typer.Typer(
@@ -32,14 +36,21 @@ model_app = typer.Typer(
 def align_command(
     algo: str = typer.Argument(..., help=" | ".join(A.ALGORITHMS)),
     model: str = typer.Option(..., "--model", help="HF model folder or models:/NAME@ALIAS"),
-    data: str = typer.Option(..., "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder"),
-    out: Path = typer.Option(..., "--out", help="where the aligned model is written"),
+    data: Optional[str] = typer.Option(
+        None, "--data", help="JSONL/Parquet file or folder, or a save_to_disk folder (required unless --plan)"
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="where the aligned model is written (required unless --plan)"
+    ),
     eval_data: Optional[str] = typer.Option(None, "--eval-data", help="held-out data (default: a split)"),
     reward: List[str] = typer.Option([], "--reward", help="pkg.mod:fn[=weight], repeatable"),
     reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model folder"),
     pairs: Optional[str] = typer.Option(None, "--eval-pairs", help="online_dpo: held-out preference pairs"),
     config: Optional[Path] = typer.Option(None, help="YAML/JSON with the algorithm's options"),
     eval_fraction: float = typer.Option(0.1, help="held out when --eval-data is not given"),
+    plan: Annotated[
+        bool, typer.Option("--plan", help="print the memory plan per role and rank, and exit (2 if it does not fit)")
+    ] = False,
 ):
     """Align a model on your data (policy, reference, reward, critic as Ray actors)."""
     from raypai.alignment import config as C
@@ -57,10 +68,16 @@ def align_command(
     unused = [f"{algo} takes no {flag}; leave it out" for flag, value in given.items() if value and not takes[flag]]
     if unused:
         raise ConfigError(unused, what="raypai align")
-    if entry.eval_pairs and not pairs:
-        raise ConfigError([f"{algo} needs --eval-pairs (held-out preference pairs to measure)"], what="raypai align")
+    if not plan:  # a plan needs the model and the config only
+        needs = [f"raypai align needs {flag}" for flag, value in (("--data", data), ("--out", out)) if value is None]
+        if entry.eval_pairs and not pairs:
+            needs.append(f"{algo} needs --eval-pairs (held-out preference pairs to measure)")
+        if needs:
+            raise ConfigError(needs, what="raypai align")
     settings = Settings.load()
     model_dir = resolve_model(model, settings.mlflow_tracking_uri, cache_dir=settings.home / "cache" / "models")
+    if plan:
+        _print_plan(algo, model_dir, cfg, reward_model)
     train = D.load(data, entry.data)
     held = D.load(eval_data, entry.data) if eval_data else None
     if held is None:
@@ -94,6 +111,17 @@ def align_command(
 
         written["adapter"] = adapter_folder(out)
     typer.echo(json.dumps({**written, **res}, indent=1, default=str))
+
+
+def _print_plan(algo: str, model_dir: str, cfg, reward_model: str | None):
+    """`--plan`: the memory plan printed; exit 0 when it fits, REFUSED (its fixes printed) when not."""
+    from raypai.alignment.models import check_causal_lm
+    from raypai.alignment.plan import plan
+
+    check_causal_lm(model_dir)
+    p = plan(algo, model_dir, cfg, reward_model_dir=reward_model)
+    typer.echo(p.table())
+    raise typer.Exit(exits.OK if p.fits else exits.REFUSED)
 
 
 @model_app.command("import")
