@@ -9,8 +9,13 @@ import ray
 
 from raypai.alignment.models import check_causal_lm, check_prompts, format_and_limit
 from raypai.alignment.placement import Placement
+from raypai.alignment.ranks import RankGroup, failures, rendezvous
 from raypai.alignment.rewards import resolve
 from raypai.errors import ConfigError
+
+
+class RankFailure(RuntimeError):
+    """A run ended because one of a role's ranks died or failed (the message names it)."""
 
 
 @dataclass
@@ -35,6 +40,14 @@ def check_lora(model_dir: str, cfg) -> None:
     problems = check(AutoConfig.from_pretrained(model_dir), spec, what=f"model {model_dir}")
     if problems:
         raise ConfigError(problems, what="LoRA")
+
+
+def check_plan(algo: str, model_dir: str, cfg, reward_model_dir: str | None = None) -> None:
+    """The run's memory plan (`raypai.alignment.plan`), before any actor starts: a ConfigError naming
+    the role that does not fit its ranks' memory and the config changes that would make it fit."""
+    from raypai.alignment.plan import check
+
+    check(algo, model_dir, cfg, reward_model_dir=reward_model_dir)
 
 
 def sync_path(cfg) -> bool | None:
@@ -91,16 +104,23 @@ def rl_inputs(
 def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None) -> int:
     """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
     replicas get the restored weights); returns the step to continue from (0: a fresh run)."""
-    from raypai.alignment.checkpoint import load_run
+    return resume_state(algo, checkpoint_dir, rng, policy, rollouts, critic, shared)[0]
+
+
+def resume_state(
+    algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None
+) -> tuple[int, dict]:
+    """`resume`, and the `extra` the checkpoint was saved with (`checkpoint.save_run`)."""
+    from raypai.alignment.checkpoint import load_run_state
     from raypai.alignment.sync import sync_weights
 
     if not checkpoint_dir:
-        return 0
-    start = load_run(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
+        return 0, {}
+    start, extra = load_run_state(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
     if start:
         sync_weights(policy, rollouts, shared=shared)
         print(f"[raypai.{algo}] resumed from {checkpoint_dir} at step {start}", flush=True)
-    return start
+    return start, extra
 
 
 class Run:
@@ -119,26 +139,60 @@ class Run:
         self.placement = Placement(run_name, specs, colocate=colocate)
         self.logger = logger
         self.summary: dict | None = None
+        self.groups: list[RankGroup] = []
 
     def place(self, role: str, cls, *args, **kwargs) -> list:
         return self.placement.place(role, cls, *args, **kwargs)
 
-    def place_policy(self, model_dir: str, cfg, **kwargs):
-        """The policy's Trainer, with the config's learning rate, ZeRO stage and seed."""
+    def place_ranks(self, role: str, cls, *args, timeout_s: float = 60.0, **kwargs):
+        """`role` as its spec's `replicas` ranks of `cls` (each told its rank and where the ranks
+        meet): one actor handle for one rank, else a RankGroup called like one. Each rank works with
+        its own bundle's CPUs (`threads`)."""
+        n = self.placement.specs[role].replicas
+        if n == 1:
+            [actor] = self.place(role, cls, *args, **kwargs)
+            return actor
+        name = f"{self.placement.run_name}/{role}"
+        rv, store = rendezvous(name, n, timeout_s)
+        if "threads" in kwargs:
+            kwargs["threads"] = max(1, int(self.placement.specs[role].cpus))
+        actors = self.place(role, cls, *args, rendezvous=rv, per_replica=lambda i: {"rank": i}, **kwargs)
+        group = RankGroup(name, actors, store)
+        self.groups.append(group)
+        return group
+
+    def place_trained(self, role: str, model_dir: str, lr: float, cfg, **kwargs):
+        """A trained role (the policy, the critic, a reward model): a Trainer of `cfg`'s ZeRO stage,
+        seed, LoRA and scale settings, as `cfg.ranks` ranks."""
         from raypai.alignment.roles import Trainer
 
-        lr = cfg.lr_of(cfg.lr)
-        [policy] = self.place("policy", Trainer, model_dir, lr, cfg.zero_stage, cfg.seed, lora=cfg.lora(), **kwargs)
-        return policy
+        return self.place_ranks(
+            role,
+            Trainer,
+            model_dir,
+            lr,
+            cfg.zero_stage,
+            cfg.seed,
+            lora=cfg.lora(),
+            micro_batch=cfg.micro_batch,
+            activation_checkpointing=cfg.activation_checkpointing,
+            offload_optimizer=cfg.offload_optimizer,
+            timeout_s=cfg.collective_timeout_s,
+            **kwargs,
+        )
+
+    def place_policy(self, model_dir: str, cfg, **kwargs):
+        """The policy's Trainer, with the config's learning rate, ZeRO stage and seed."""
+        return self.place_trained("policy", model_dir, cfg.lr_of(cfg.lr), cfg, **kwargs)
 
     def place_reference(self, model_dir: str, cfg, policy, **kwargs):
-        """The frozen reference: a Reference actor, or with LoRA the policy's base (`BaseOf`)."""
+        """The frozen reference: a Reference actor (`cfg.reference_ranks` of them, each scoring a
+        share of the rows), or with LoRA the policy's base (`BaseOf`)."""
         from raypai.alignment.roles import Reference
 
         if cfg.lora():
             return BaseOf(policy)
-        [reference] = self.place("reference", Reference, model_dir, **kwargs)
-        return reference
+        return self.place_ranks("reference", Reference, model_dir, timeout_s=cfg.collective_timeout_s, **kwargs)
 
     def place_sampling(
         self, model_dir: str, cfg, inputs: RLInputs, reward_model_dir: str | None, *, device: str, **rollout
@@ -164,8 +218,12 @@ class Run:
 
     def finish(self, trained, out_dir: str, algorithm: str, cfg, summary: dict, lineage: dict | None) -> dict:
         """Export the trained model (and with LoRA its adapter, to `out_dir` + "-adapter"); the summary
-        gains the trainable and total parameter counts."""
+        gains the trainable and total parameter counts and each model role's ranks (`ranks_policy`, ...)."""
         summary = {**summary, **ray.get(trained.param_counts.remote())}
+        # the ranks of each model role (rollout replicas and the Reward actor are not ranks of one model)
+        summary.update(
+            {f"ranks_{r}": s.replicas for r, s in self.placement.specs.items() if r not in ("rollout", "reward")}
+        )
         meta = {"algorithm": algorithm, "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
         ray.get(trained.export.remote(out_dir, meta))
         self.summary = summary
@@ -175,6 +233,13 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        found = failures(self.groups) if exc_type is not None and self.groups else []
         self.placement.shutdown()
+        if found:
+            raise RankFailure(
+                f"run {self.placement.run_name!r} failed: " + "; ".join(found) + ". Re-run it with the same "
+                "checkpoint_dir to resume from its last checkpoint (a rank that keeps failing: see its log "
+                "in the Ray dashboard)"
+            ) from exc
         if exc_type is None and self.logger is not None and self.summary is not None:
             self.logger.log_metrics(self.summary)

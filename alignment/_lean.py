@@ -66,6 +66,13 @@ def lean_supported(model) -> bool:
     # HF applies attention (and Phi-3 residual) dropout in training mode; the lean forward has none
     if model.training and (getattr(cfg, "attention_dropout", 0.0) or getattr(cfg, "resid_pdrop", 0.0)):
         return False
+    # activation checkpointing lives in the model's own layer loop, which the lean forward replaces
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        return False
+    # ZeRO-3 partitions every weight across ranks (DeepSpeed's `ds_id`): only the model's own forward,
+    # whose hooks gather each module's parameters just in time, sees whole weights
+    if hasattr(model.model.embed_tokens.weight, "ds_id"):
+        return False
     unready = _lora_unready(model)
     if unready:
         # said once per process: e.g. SFT with lora_dropout > 0 trains through peft's own forward

@@ -47,6 +47,7 @@ ALGORITHMS = {
         driver="raypai.alignment.sft:run_sft",
         step="raypai.alignment.steps:sft",
         artifact="sft_model",
+        checkpoints=True,
     ),
     "reward_model": Algorithm(
         config=RewardModelConfig,
@@ -54,6 +55,7 @@ ALGORITHMS = {
         driver="raypai.alignment.reward_model:train_reward_model",
         step="raypai.alignment.steps:reward_model",
         artifact="reward_model",
+        checkpoints=True,
     ),
     "grpo": Algorithm(
         config=GRPOConfig,
@@ -81,6 +83,7 @@ ALGORITHMS = {
         driver="raypai.alignment.dpo:run_dpo",
         step="raypai.alignment.steps:dpo",
         artifact="aligned_model",
+        checkpoints=True,
     ),
     "online_dpo": Algorithm(
         config=DPOConfig,
@@ -90,6 +93,7 @@ ALGORITHMS = {
         artifact="aligned_model",
         rewards=True,
         eval_pairs=True,
+        checkpoints=True,
         implies={"online": True},
     ),
 }

@@ -4,13 +4,15 @@ built: every problem is reported at once in a single `ConfigError`, before any a
 Each setting is declared once, in the part it belongs to, with its check next to it:
 
     Schedule      steps                                   how long a run trains
-    Batches       + batch_size                            SFT, reward model, DPO: batches of examples
+    Batches       + batch_size, checkpoint_every          SFT, reward model, DPO: batches of examples
     RolloutLoop   + prompts_per_step, reward_model_weight, rollout_replicas, eval_every,
                     checkpoint_every, clip_eps            GRPO, PPO: sample, score, learn
     Optimisation  lr, seed, zero_stage
     Lengths       max_length, truncation
     Sampling      max_new_tokens, temperature, top_p, rollout_engine, compile_rollout
     Resources     gpus
+    Scale         ranks, reference_ranks, micro_batch, activation_checkpointing, offload_optimizer,
+                  collective_timeout_s, memory_gb
 
 An algorithm's config inherits the parts it uses and adds its own fields, so users still write one
 flat mapping (`GRPOConfig(steps=3, lr=1e-3)`, `cfg.lr`, a YAML file of `steps: 3`). A dataclass lays
@@ -84,9 +86,12 @@ class Batches(Schedule):
     """Steps over batches of examples (SFT, reward model, DPO). The batch size is the algorithm's."""
 
     batch_size: int
+    checkpoint_every: int = 50  # steps between checkpoints, when the run is given a checkpoint_dir
 
     def _problems(self) -> list[str]:
-        return _above_zero(self, {"batch_size": "examples per optimizer step"})
+        return _above_zero(
+            self, {"batch_size": "examples per optimizer step", "checkpoint_every": "steps between checkpoints"}
+        )
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,10 @@ class Optimisation(_Part):
 
     def _problems(self) -> list[str]:
         p = _above_zero(self, {"lr": "the learning rate"})
-        if self.zero_stage not in (0, 1, 2):
+        if self.zero_stage not in (0, 1, 2, 3):
             p.append(
-                f"{type(self).__name__}.zero_stage must be 0, 1 or 2 (got {self.zero_stage}): each role holds a "
-                "whole model, ZeRO-3 parameter sharding needs several trainer ranks"
+                f"{type(self).__name__}.zero_stage must be 0, 1, 2 or 3 (got {self.zero_stage}): what the trained "
+                "role's ranks shard (1: optimizer state, 2: + gradients, 3: + parameters; docs/scaling.md)"
             )
         return p
 
@@ -278,9 +283,57 @@ class Resources(_Part):
         ]
 
 
+@dataclass(frozen=True)
+class Scale(_Part):
+    """How a run's model roles spread over ranks (docs/scaling.md). A trained role (the policy, PPO's
+    critic, a reward model being trained) is `ranks` data-parallel ranks, one DeepSpeed engine across
+    them at the config's ZeRO stage; the frozen reference is `reference_ranks` ranks, each scoring a
+    share of the rows. Defaults: one rank each, what one machine needs."""
+
+    ranks: int = 1
+    reference_ranks: int = 1
+    # rows per forward/backward on a rank: its share of a step's batch runs in micro-batches of this
+    # many rows, the gradients accumulated over them (the same update); 0 = the whole share at once
+    micro_batch: int = 0
+    activation_checkpointing: bool = False  # recompute the blocks' activations in the backward pass
+    offload_optimizer: bool = False  # ZeRO-Offload: the optimizer state and step in host memory (ZeRO ≥ 1)
+    # a collective that waits longer than this fails: a dead or stuck rank ends the run, naming the rank
+    collective_timeout_s: float = 60.0
+    # memory per rank that the plan checks against (GB); 0 = the device's (a GPU's, or host RAM / ranks)
+    memory_gb: float = 0.0
+
+    def _problems(self) -> list[str]:
+        name = type(self).__name__
+        p = _above_zero(
+            self,
+            {
+                "ranks": "data-parallel ranks of each trained role",
+                "reference_ranks": "ranks of the frozen reference",
+                "collective_timeout_s": "seconds a collective may wait for a rank",
+            },
+        )
+        if self.micro_batch < 0 or self.memory_gb < 0:
+            p.append(
+                f"{name}.micro_batch and memory_gb must be ≥ 0 (got {self.micro_batch}, {self.memory_gb}); "
+                "0 = the rank's whole share / the device's memory"
+            )
+        stage = getattr(self, "zero_stage", 0)
+        if self.offload_optimizer and stage < 1:
+            p.append(
+                f"{name}.offload_optimizer needs zero_stage ≥ 1 (got {stage}): ZeRO-Offload moves the sharded "
+                "optimizer state to the host"
+            )
+        if stage == 3 and getattr(self, "lora_r", 0):
+            p.append(
+                f"{name}: LoRA with zero_stage 3 is not supported: the base is frozen and the adapters are small, "
+                "so ZeRO-2 (or more ranks) already shards what trains; use zero_stage ≤ 2 with lora_r"
+            )
+        return p
+
+
 # ---- one config per algorithm (bases last-first: see the module docstring) ----------------------
 @dataclass(frozen=True)
-class SFTConfig(Resources, Lengths, Adapters, Optimisation, Batches):
+class SFTConfig(Scale, Resources, Lengths, Adapters, Optimisation, Batches):
     """Supervised fine-tuning: mean NLL of the response tokens only (prompt tokens are masked)."""
 
     steps: int = 200
@@ -296,7 +349,7 @@ class SFTConfig(Resources, Lengths, Adapters, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class RewardModelConfig(Resources, Lengths, Adapters, Optimisation, Batches):
+class RewardModelConfig(Scale, Resources, Lengths, Adapters, Optimisation, Batches):
     """Bradley–Terry reward model on the SFT model with a scalar head."""
 
     steps: int = 300
@@ -305,7 +358,7 @@ class RewardModelConfig(Resources, Lengths, Adapters, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class DPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, Batches):
+class DPOConfig(Scale, Resources, Sampling, Lengths, Adapters, Optimisation, Batches):
     """DPO (offline pairs) or online DPO (`online=True`: pairs from the policy's own ranked samples;
     the sampling fields apply to online DPO only)."""
 
@@ -337,7 +390,7 @@ class DPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, Batches):
 
 
 @dataclass(frozen=True)
-class GRPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
+class GRPOConfig(Scale, Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
     """GRPO (Shao et al. 2024); defaults follow TRL's GRPOConfig where one exists."""
 
     steps: int = 30
@@ -386,7 +439,7 @@ class GRPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLo
 
 
 @dataclass(frozen=True)
-class PPOConfig(Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
+class PPOConfig(Scale, Resources, Sampling, Lengths, Adapters, Optimisation, RolloutLoop):
     """RLHF PPO (Ouyang et al. 2022): defaults follow InstructGPT-style setups scaled to a tiny model."""
 
     steps: int = 30

@@ -16,8 +16,9 @@ from collections import deque
 
 import ray
 
-from raypai.alignment._driver import Run, check_lora
+from raypai.alignment._driver import Run, check_lora, check_plan
 from raypai.alignment._tensors import encode_pairs, sequence_logprob
+from raypai.alignment.checkpoint import Every
 from raypai.alignment.config import DPOConfig
 from raypai.alignment.losses import ChosenRejected, dpo_loss
 from raypai.alignment.losses.objectives import DPO
@@ -75,9 +76,11 @@ def run_dpo(
     rewards=None,
     logger=None,
     lineage: dict | None = None,
+    checkpoint_dir: str | None = None,
 ) -> dict:
     """Offline DPO on `pairs` (PreferenceExample); preference accuracy and margin are measured on
-    `eval_pairs`. With `cfg.online` this runs online DPO (`raypai.alignment.online_dpo.run_online_dpo`
+    `eval_pairs`; `checkpoint_dir`: checkpoints as it goes (`cfg.checkpoint_every`), and a re-run
+    resumes from it. With `cfg.online` this runs online DPO (`raypai.alignment.online_dpo.run_online_dpo`
     on `prompts`, `held_out` and `rewards`)."""
     if cfg.online:
         from raypai.alignment.online_dpo import run_online_dpo
@@ -93,9 +96,11 @@ def run_dpo(
             run_name=run_name,
             logger=logger,
             lineage=lineage,
+            checkpoint_dir=checkpoint_dir,
         )
     check_causal_lm(model_dir)
     check_lora(model_dir, cfg)
+    check_plan("dpo", model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     if not pairs:
         raise ConfigError(["DPO needs preference pairs (got none)"], what="DPO inputs")
@@ -106,9 +111,9 @@ def run_dpo(
     ev_c, ev_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")  # bad pairs fail before any actor starts
     all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
     g = cfg.gpus  # on a GPU: the trainer half of it, the reference the rest
-    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2)}
+    specs = {"policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks)}
     if not cfg.lora():  # with LoRA the reference is the policy's own base: no actor
-        specs["reference"] = RoleSpec(cpus=0.5, gpus=g / 2)
+        specs["reference"] = RoleSpec(cpus=0.5, gpus=g / 2, replicas=cfg.reference_ranks)
     device = "cuda" if g else "cpu"
     threads = max(1, round(sum(r.cpus for r in specs.values())))
     objective = dpo_objective(cfg)
@@ -118,29 +123,34 @@ def run_dpo(
         policy = run.place_policy(model_dir, cfg, threads=threads, device=device)
         reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
-        before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
+        rng = random.Random(cfg.seed)
+        ckpt = Every(checkpoint_dir, cfg.checkpoint_every, cfg.steps, rng, policy)
+        start, saved = ckpt.resume("dpo")
+        before = saved["before"] if start else preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
+        ckpt.extra = {"before": before}
         # reference log-probs of every pair, computed once, held by the trainer with the pairs: a step
         # then names its rows instead of shipping its tensors through Ray
         held = (all_c, all_r, seq_logprobs(reference, all_c), seq_logprobs(reference, all_r))
         ray.get(policy.hold.remote("pairs", held))
         del all_c, all_r, held  # the trainer's copy is the one used: a large dataset is not held twice
-        rng = random.Random(cfg.seed)
         # the first step alone (its metrics come at once), then STEPS_PER_CALL steps a call with
         # CALLS_IN_FLIGHT calls queued on the policy actor: the driver's round trip and Ray's per-call
         # work leave the critical path
-        steps = list(range(1, cfg.steps + 1))
+        steps = list(range(start + 1, cfg.steps + 1))
         calls = [steps[:1]] + [steps[i : i + STEPS_PER_CALL] for i in range(1, len(steps), STEPS_PER_CALL)]
         in_flight: deque = deque()
         for call in calls:
             rows = [[rng.randrange(len(pairs)) for _ in range(cfg.batch_size)] for _ in call]
             in_flight.append((call, policy.updates.remote(objective, rows)))
-            while len(in_flight) >= CALLS_IN_FLIGHT or (in_flight and call is calls[-1]):
+            due = ckpt.due(call)  # a checkpoint after this call: every queued call finishes first
+            while len(in_flight) >= CALLS_IN_FLIGHT or (in_flight and (call is calls[-1] or due)):
                 done, ref_m = in_flight.popleft()
                 for step, m in zip(done, ray.get(ref_m)):
                     if logger is not None:
                         logger.log_metrics(
                             {f"dpo/{k}": m[k] for k in ("loss", "accuracy", "margin", "grad_norm")}, step=step
                         )
+            ckpt.after(call)
         after = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         metrics = {**preference_summary(before, after), "truncated": trunc.truncated}
         return run.finish(policy, out_dir, "dpo", cfg, metrics, lineage)

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, resume, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -66,18 +66,23 @@ def run_grpo(
     of greedy completions before/after, samples/s and time split); the aligned policy is written to
     `out_dir` as an HF folder with `raypai.json`."""
     inputs = rl_inputs("GRPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
+    check_plan("grpo", model_dir, cfg, reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
     # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
     # queried, beta > 0) the rest; the reward stays on CPUs
     g = cfg.gpus
     # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
     specs = {
-        "policy": RoleSpec(cpus=1, gpus=g / 2),
+        "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
         "rollout": RoleSpec(
             cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas, replicas=cfg.rollout_replicas
         ),
         # (with LoRA the reference is the policy's own base: no actor)
-        **({"reference": RoleSpec(cpus=0.5, gpus=g / 4)} if cfg.beta and not cfg.lora() else {}),
+        **(
+            {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
+            if cfg.beta and not cfg.lora()
+            else {}
+        ),
         "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
     }
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}

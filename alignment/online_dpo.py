@@ -20,9 +20,10 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume_state, rl_inputs, sync_path
 from raypai.alignment._loop import asleep, launch, score_launched, scores_of
 from raypai.alignment._tensors import encode_pairs
+from raypai.alignment.checkpoint import save_run
 from raypai.alignment.config import LIVE_ENGINES, DPOConfig
 from raypai.alignment.dpo import dpo_objective, preference_metrics, preference_summary, seq_logprobs
 from raypai.alignment.evaluate import reward_with
@@ -46,11 +47,14 @@ def run_online_dpo(
     run_name: str = "online_dpo",
     logger=None,
     lineage: dict | None = None,
+    checkpoint_dir: str | None = None,
 ) -> dict:
     """`train`/`held_out`: PromptExample lists (sampled from / the held-out reward of greedy
     completions); `eval_pairs`: PreferenceExample pairs for preference accuracy and margin; `rewards`
-    as in run_grpo (they rank the samples)."""
+    as in run_grpo (they rank the samples). `checkpoint_dir`: a checkpoint every
+    `cfg.checkpoint_every` steps (policy, the driver's and the rollout's RNG); a re-run resumes."""
     inputs = rl_inputs("online DPO", model_dir, cfg, train, held_out, rewards=rewards)
+    check_plan("online_dpo", model_dir, cfg)
     if not eval_pairs:
         raise ConfigError(
             ["online DPO needs held-out preference pairs to measure preference accuracy (got none)"],
@@ -59,8 +63,10 @@ def run_online_dpo(
     ev_c, ev_r = encode_pairs(inputs.fmt, eval_pairs, inputs.trunc, "held-out pair")
     g = cfg.gpus  # on a GPU: the trainer half of it, the reference and the rollout a quarter each
     specs = {
-        "policy": RoleSpec(cpus=1, gpus=g / 2),
-        **({} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=g / 4)}),  # LoRA: the policy's base
+        "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
+        **(
+            {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
+        ),  # LoRA: the policy's base
         "rollout": RoleSpec(cpus=0.5, gpus=g / 4),
         "reward": RoleSpec(cpus=0.25),
     }
@@ -92,11 +98,13 @@ def run_online_dpo(
         )
         [reward] = run.place("reward", Reward, inputs.reward_fns)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
-        before = preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
-        eval_before = reward_with(rollout, reward, held_out, cfg.max_new_tokens)
         rng = random.Random(cfg.seed)
+        start, saved = resume_state("online_dpo", checkpoint_dir, rng, policy, [rollout], shared=sync_path(cfg))
+        before = saved["before"] if start else preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
+        eval_before = saved["eval_before"] if start else reward_with(rollout, reward, held_out, cfg.max_new_tokens)
+        extra = {"before": before, "eval_before": eval_before}
         sampled = {"pad_id": inputs.pad_id, "n": cfg.num_samples}
-        for step in range(1, cfg.steps + 1):
+        for step in range(start + 1, cfg.steps + 1):
             with asleep([policy], on_gpu=bool(g)) as offload:  # on a GPU the trainer sleeps while sampling
                 now = launch(
                     [rollout],
@@ -117,6 +125,8 @@ def run_online_dpo(
             m = ray.get(update)
             t0 = time.perf_counter()  # sync_seconds: the wait for the replica's load left after the update
             sizes = wait_loads(loads)
+            if checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                save_run(checkpoint_dir, step=step, rng=rng, policy=policy, rollouts=[rollout], extra=extra)
             if m.get("skipped"):  # every group tied: no preference to learn from this step
                 continue
             m.update(

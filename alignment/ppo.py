@@ -18,7 +18,7 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, resume, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -37,7 +37,6 @@ from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import masked_mean
 from raypai.alignment.losses.objectives import PPOPolicy, PPOValue
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Trainer
 from raypai.alignment.sync import start_sync, wait_loads
 
 TIMES = ("time_rollout", "time_score", "time_train", "time_sync")
@@ -61,13 +60,16 @@ def run_ppo(
     (held-out reward before/after, mean losses and time split); the aligned policy is written to
     `out_dir`. The critic starts from the reward model when given."""
     inputs = rl_inputs("PPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
+    check_plan("ppo", model_dir, cfg, reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
     g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
     specs = {
-        "policy": RoleSpec(cpus=1, gpus=0.4 * g),
-        "critic": RoleSpec(cpus=0.5, gpus=0.2 * g),
+        "policy": RoleSpec(cpus=1, gpus=0.4 * g, replicas=cfg.ranks),
+        "critic": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.ranks),
         "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
-        **({} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g)}),  # LoRA: the policy's base
+        **(
+            {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.reference_ranks)}
+        ),  # LoRA: the policy's base
         "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
     }
     device = "cuda" if g else "cpu"
@@ -87,15 +89,12 @@ def run_ppo(
             device=device,
             sync_dtype="bfloat16" if g else None,
         )
-        [critic] = run.place(
+        critic = run.place_trained(
             "critic",
-            Trainer,
             reward_model_dir or model_dir,
             cfg.lr_of(cfg.critic_lr),
-            cfg.zero_stage,
-            cfg.seed,
+            cfg,
             head="token_value",
-            lora=cfg.lora(),
             device=device,
         )  # a scalar per position; from the reward model, its score head carries over
         rollouts, reward = run.place_sampling(model_dir, cfg, inputs, reward_model_dir, device=device)

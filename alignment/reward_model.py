@@ -13,13 +13,13 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, check_lora
+from raypai.alignment._driver import Run, check_lora, check_plan
 from raypai.alignment._tensors import encode_pairs, select_rows
+from raypai.alignment.checkpoint import Every
 from raypai.alignment.config import RewardModelConfig
 from raypai.alignment.losses.objectives import BradleyTerry
 from raypai.alignment.models import check_causal_lm, format_and_limit
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Trainer
 
 # Steps per call to the trainer: a call's own cost in Ray is paid once for several small steps.
 STEPS_PER_CALL = 10
@@ -45,37 +45,36 @@ def train_reward_model(
     run_name: str = "reward_model",
     logger=None,
     lineage: dict | None = None,
+    checkpoint_dir: str | None = None,
 ) -> dict:
     """`pairs`/`eval_pairs`: PreferenceExample lists. Returns held-out pair accuracy before/after; the
-    reward model is written to `out_dir` as an HF folder (with the backbone's tokenizer)."""
+    reward model is written to `out_dir` as an HF folder (with the backbone's tokenizer).
+    `checkpoint_dir`: checkpoints as it goes (`cfg.checkpoint_every`); a re-run resumes from it."""
     check_causal_lm(model_dir, "reward model backbone")
     check_lora(model_dir, cfg)
+    check_plan("reward_model", model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     train_c, train_r = encode_pairs(fmt, pairs, trunc, "training pair")  # bad or over-long pairs fail here
     eval_c, eval_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")
     objective = BradleyTerry(margin=cfg.margin)
     gpus = cfg.gpus
-    with Run(run_name, {"reward-trainer": RoleSpec(cpus=1, gpus=gpus)}, logger=logger) as run:
-        [rm] = run.place(
-            "reward-trainer",
-            Trainer,
-            model_dir,
-            cfg.lr_of(cfg.lr),
-            cfg.zero_stage,
-            cfg.seed,
-            head="score",
-            lora=cfg.lora(),
-            device="cuda" if gpus else "cpu",
+    with Run(run_name, {"reward-trainer": RoleSpec(cpus=1, gpus=gpus, replicas=cfg.ranks)}, logger=logger) as run:
+        rm = run.place_trained(
+            "reward-trainer", model_dir, cfg.lr_of(cfg.lr), cfg, head="score", device="cuda" if gpus else "cpu"
         )
-        before = pair_accuracy(rm, eval_c, eval_r)
-        ray.get(rm.hold.remote("pairs", (train_c, train_r)))  # steps name their rows
         rng = random.Random(cfg.seed)
-        steps = list(range(1, cfg.steps + 1))
+        ckpt = Every(checkpoint_dir, cfg.checkpoint_every, cfg.steps, rng, rm)
+        start, saved = ckpt.resume("reward_model")
+        before = saved["before"] if start else pair_accuracy(rm, eval_c, eval_r)
+        ckpt.extra = {"before": before}
+        ray.get(rm.hold.remote("pairs", (train_c, train_r)))  # steps name their rows
+        steps = list(range(start + 1, cfg.steps + 1))
         for i in range(0, len(steps), STEPS_PER_CALL):
             call = steps[i : i + STEPS_PER_CALL]
             rows = [[rng.randrange(len(pairs)) for _ in range(cfg.batch_size)] for _ in call]
             for step, m in zip(call, ray.get(rm.updates.remote(objective, rows))):
                 if logger is not None and step % 10 == 0:
                     logger.log_metrics({"rm/loss": m["loss"], "rm/train_accuracy": m["train_accuracy"]}, step=step)
+            ckpt.after(call)
         metrics = {"rm_eval_accuracy_before": before, "rm_eval_accuracy": pair_accuracy(rm, eval_c, eval_r)}
         return run.finish(rm, out_dir, "reward_model", cfg, metrics, lineage)

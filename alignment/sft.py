@@ -14,8 +14,9 @@ import random
 import ray
 import torch
 
-from raypai.alignment._driver import Run, check_lora
+from raypai.alignment._driver import Run, check_lora, check_plan
 from raypai.alignment._tensors import batch_of, encode_all
+from raypai.alignment.checkpoint import Every
 from raypai.alignment.config import SFTConfig
 from raypai.alignment.losses.objectives import SFT
 from raypai.alignment.models import check_causal_lm, format_and_limit
@@ -52,12 +53,15 @@ def run_sft(
     logger=None,
     lineage: dict | None = None,
     ptx_blocks=None,
+    checkpoint_dir: str | None = None,
 ) -> dict:
     """Trains on `train` (SFTExample list), reports the held-out response NLL before/after and writes
     the model to `out_dir`. `ptx_blocks` ((N, T) int array of pretraining token blocks) with
-    `cfg.ptx_coef` > 0 mixes their LM loss into every step."""
+    `cfg.ptx_coef` > 0 mixes their LM loss into every step. `checkpoint_dir`: a checkpoint every
+    `cfg.checkpoint_every` steps; a re-run with it resumes at its last one (same data position)."""
     check_causal_lm(model_dir)
     check_lora(model_dir, cfg)
+    check_plan("sft", model_dir, cfg)
     fmt, trunc = format_and_limit(model_dir, cfg)
     if not train or not held_out:
         raise DataError(f"SFT needs training and held-out examples (got {len(train)} and {len(held_out)})")
@@ -65,12 +69,15 @@ def run_sft(
     enc_eval = encode_all(fmt, held_out, trunc, "held-out")
     pad_id = fmt.tok.pad_token_id
     objective = SFT(ptx_coef=cfg.ptx_coef)
-    with Run(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus)}, logger=logger) as run:
+    with Run(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus, replicas=cfg.ranks)}, logger=logger) as run:
         # dropout: the model's own, as in any fine-tuning
         policy = run.place_policy(model_dir, cfg, device="cuda" if cfg.gpus else "cpu", dropout=True)
-        before = eval_loss(policy, enc_eval, pad_id)
         rng = random.Random(cfg.seed)
-        for step in range(1, cfg.steps + 1):
+        ckpt = Every(checkpoint_dir, cfg.checkpoint_every, cfg.steps, rng, policy)
+        start, saved = ckpt.resume("sft")
+        before = saved["before"] if start else eval_loss(policy, enc_eval, pad_id)
+        ckpt.extra = {"before": before}
+        for step in range(start + 1, cfg.steps + 1):
             batch = batch_of(enc_train, [rng.randrange(len(enc_train)) for _ in range(cfg.batch_size)], pad_id)
             ptx = None
             if ptx_blocks is not None and cfg.ptx_coef > 0:
@@ -80,6 +87,7 @@ def run_sft(
             m = ray.get(policy.update.remote(objective, objective.assemble(batch, ptx)))
             if logger is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 logger.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
+            ckpt.after([step])
         after = eval_loss(policy, enc_eval, pad_id)
         metrics = {
             "eval_response_loss_before": before,

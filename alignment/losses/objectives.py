@@ -9,8 +9,12 @@ it knows no algorithm. Each step it is handed an objective from here and the ste
 
 `model` is the role's forward passes, with gradients (`Model`). `Loss.total` is the loss summed
 over the batch's units (response tokens, sequences, pairs) and `Loss.normaliser` counts those
-units, so a batch split across data-parallel ranks (groups and pairs kept whole) sums to the same
-update. `assemble` takes what Ray hands the role — the rollout replicas' outputs, the Reward actor's
+units, so a batch split across data-parallel ranks or micro-batches sums to the same update: the
+role divides each share's total by the normaliser summed over all shares (`units(batch)` gives it
+from the batch alone, before any forward pass, for micro-batches; an objective without it runs a
+rank's share in one pass). Every tensor of an assembled batch has its rows first, so a share is a
+slice of rows (`roles._ranks.share`): whatever couples rows (GRPO's group-normalised advantages,
+DPO's pairs, PPO's GAE) is computed in `assemble`, on the whole batch. `assemble` takes what Ray hands the role — the rollout replicas' outputs, the Reward actor's
 scores, rows of data held on the role — so no batch goes through the driver.
 
 Objectives are frozen dataclasses: picklable, compared by value, and a new algorithm is a new one
@@ -93,6 +97,9 @@ class SFT:
             out["ptx"] = {"input_ids": ptx, "attention_mask": torch.ones_like(ptx)}
         return out
 
+    def units(self, batch: dict) -> torch.Tensor:
+        return batch["seq"]["response_mask"].sum()
+
     def loss(self, model: Model, batch: dict) -> Loss:
         seq = batch["seq"]
         m = seq["response_mask"]
@@ -125,6 +132,9 @@ class DPO:
             inputs = (select_rows(chosen, idx), select_rows(rejected, idx), ref_c[idx], ref_r[idx])
         chosen, rejected, ref_c, ref_r = inputs
         return {"chosen": chosen, "rejected": rejected, "ref_chosen": ref_c, "ref_rejected": ref_r}
+
+    def units(self, batch: dict) -> int:
+        return batch["chosen"]["input_ids"].shape[0]
 
     def loss(self, model: Model, batch: dict) -> Loss:
         from raypai.alignment._tensors import sequence_logprob, stack_right_padded
@@ -165,6 +175,9 @@ class OnlineDPO:
             return None
         return self.dpo.assemble(*pairs, *ref)
 
+    def units(self, batch: dict) -> int:
+        return self.dpo.units(batch)
+
     def loss(self, model: Model, batch: dict) -> Loss:
         out = self.dpo.loss(model, batch)
         out.stats["pairs"] = float(batch["chosen"]["input_ids"].shape[0])
@@ -197,6 +210,10 @@ class GRPO:
 
         advantages = grpo_advantages(to_tensor(scores["total"]), self.group_size)
         return {"seq": handed_over(sampled, outs), "advantages": advantages, "old_lp": old_lp, "ref_lp": ref_lp}
+
+    def units(self, batch: dict):
+        m = batch["seq"]["response_mask"]
+        return aggregate_sum(torch.zeros_like(m, dtype=torch.float32), m, self.aggregation, self.max_new_tokens)[1]
 
     def loss(self, model: Model, batch: dict) -> Loss:
         seq = batch["seq"]
@@ -243,6 +260,9 @@ class PPOPolicy:
         seq, adv, _ = _ppo_inputs(scores, old_lp, ref_lp, values, sampled, outs, targets)
         return {"seq": seq, "old_lp": old_lp, "advantages": adv}
 
+    def units(self, batch: dict) -> torch.Tensor:
+        return batch["seq"]["response_mask"].sum()
+
     def loss(self, model: Model, batch: dict) -> Loss:
         seq = batch["seq"]
         m = seq["response_mask"]
@@ -271,6 +291,9 @@ class PPOValue:
         seq, _, returns = _ppo_inputs(scores, old_lp, ref_lp, values, sampled, outs, targets)
         return {"seq": seq, "old_values": values, "returns": returns}
 
+    def units(self, batch: dict) -> torch.Tensor:
+        return batch["seq"]["response_mask"].sum()
+
     def loss(self, model: Model, batch: dict) -> Loss:
         seq = batch["seq"]
         m = seq["response_mask"]
@@ -294,6 +317,9 @@ class BradleyTerry:
             idx = torch.as_tensor(inputs[0])
             inputs = (select_rows(chosen, idx), select_rows(rejected, idx))
         return {"chosen": inputs[0], "rejected": inputs[1]}
+
+    def units(self, batch: dict) -> int:
+        return batch["chosen"]["input_ids"].shape[0]
 
     def loss(self, model: Model, batch: dict) -> Loss:
         n = batch["chosen"]["input_ids"].shape[0]

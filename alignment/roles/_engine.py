@@ -3,40 +3,62 @@ the fused kernel; CUDA: NCCL, and the role runs its forward under bf16 autocast,
 
 from __future__ import annotations
 
-import os
-
 from raypai.train._deepspeed import import_deepspeed
 from raypai.train.clipping import PARAMS_ATTR, clip, grad_norm, take_clipping
 
+# DeepSpeed's gradient buckets hold this many elements by default (5e8: 2 GB of fp32, allocated whole
+# on a GPU whatever the model's size); a role's are sized to its model, between these bounds
+BUCKET_MIN, BUCKET_MAX = 1_000_000, 500_000_000
 
-def make_engine(
-    model, *, lr: float, zero_stage: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0, use_gpu: bool = False
-):
+
+def engine_config(
+    zero_stage: int = 0,
+    *,
+    grad_clip: float = 1.0,
+    offload_optimizer: bool = False,
+    ranks: int = 1,
+    params: int | None = None,
+) -> dict:
+    """The DeepSpeed config of a trained role: a micro-batch of one "sample" per rank (the role hands
+    the engine whole batches, their size is the objective's business), ZeRO `zero_stage`; `params`
+    (the model's parameter count) sizes the gradient buckets."""
+    zero: dict = {"stage": zero_stage}
+    if params is not None and zero_stage:
+        bucket = int(min(BUCKET_MAX, max(BUCKET_MIN, params)))
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    if zero_stage == 3:
+        # every parameter partitioned, however small (the default keeps those under 1e5 elements whole on
+        # every rank: a toy model's weights would not be sharded at all); gathered per module in forward
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": ranks,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # ZeRO-Offload with the torch optimizer the role makes (DeepSpeed would insist on its own CPU Adam)
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
+
+
+def make_engine(model, *, lr: float, conf: dict, weight_decay: float = 0.0, use_gpu: bool = False):
+    """A DeepSpeed engine of `model` with `conf` (`engine_config`), in the process group this
+    process has joined (`roles._ranks.join`)."""
     import torch
 
     deepspeed = import_deepspeed()
-    if not torch.distributed.is_initialized():
-        # a role is a process group of its own: rendezvous values inherited from the node (another job,
-        # an in-process vLLM that held its own port) would join a foreign group or a taken port. A group
-        # of one needs no rendezvous at all: an in-memory store, no TCP port (a port picked free and
-        # bound a moment later was once taken in between by another process's connection, EADDRINUSE)
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        torch.distributed.init_process_group(
-            "nccl" if use_gpu else "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
-        )
-        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")  # adopts the group
     # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
     # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed
-    # precision, so the optimizer, clipping and sleep/wake see plain fp32 tensors
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
-    conf = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
+    # precision, so the optimizer, clipping and sleep/wake see plain fp32 tensors. ZeRO-Offload steps
+    # on host tensors, where the fused kernel needs the CPU build.
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    conf = dict(conf)
+    zero_stage = conf["zero_optimization"]["stage"]
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips and keeps the norm (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
     engine.raypai_max_norm = max_norm
@@ -49,11 +71,11 @@ def make_engine(
         # after each fp32 stage-0 step DeepSpeed sets every gradient to None by walking the module tree
         # (`named_parameters`, a visible share of a small step: benchmarks/history/asides.md); the
         # same over a list of the parameters, made once
-        params = list(model.parameters())
-        setattr(engine, PARAMS_ATTR, params)  # the clipping's list too (raypai.train.clipping)
+        every = list(model.parameters())
+        setattr(engine, PARAMS_ATTR, every)  # the clipping's list too (raypai.train.clipping)
 
         def zero_grad():
-            for p in params:
+            for p in every:
                 p.grad = None
 
         engine.zero_grad = zero_grad

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from raypai.alignment._tensors import cpu_threads, token_logprobs
+from raypai.alignment.roles import _ranks
 from raypai.alignment.roles._device import DTYPES, autocast, role_device
-from raypai.alignment.roles._engine import Sleeps, make_engine, set_mode, without_dropout
+from raypai.alignment.roles._engine import Sleeps, engine_config, make_engine, set_mode, without_dropout
 from raypai.alignment.roles._engine import step as engine_step
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it a
@@ -37,9 +38,20 @@ TRAIN_FLOPS_PER_THREAD = 2.5e9
 HEADS = ("causal_lm", "token_value", "score")
 
 
-def _load(model_dir: str, head: str):
+def _load(model_dir: str, head: str, ds_conf: dict | None = None):
+    """The model of `head` from `model_dir`. With a ZeRO-3 DeepSpeed config (`ds_conf`) it is built
+    and loaded under `deepspeed.zero.Init` (transformers' DeepSpeed integration): each rank
+    materialises its own partition of every weight only, never the whole model."""
     import transformers as tf
 
+    if ds_conf is not None and ds_conf["zero_optimization"]["stage"] == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(ds_conf)  # while it lives, from_pretrained loads under zero.Init
+        try:
+            return _load(model_dir, head)
+        finally:
+            del keep
     if head == "causal_lm":
         return tf.AutoModelForCausalLM.from_pretrained(model_dir)
     cls = tf.AutoModelForTokenClassification if head == "token_value" else tf.AutoModelForSequenceClassification
@@ -108,6 +120,11 @@ class Trainer(Sleeps):
         sync_dtype: str | None = None,
         dropout: bool = False,
         lora=None,
+        rank: int = 0,
+        rendezvous: _ranks.Rendezvous | None = None,
+        micro_batch: int = 0,
+        activation_checkpointing: bool = False,
+        offload_optimizer: bool = False,
     ):
         """`head`: one of HEADS. `live_weights`: keep the parameters in a shared-memory buffer that
         same-node rollout replicas bind to (raypai.alignment.sync, "live shared parameters"); only for
@@ -117,7 +134,13 @@ class Trainer(Sleeps):
         the weights are handed over in shared memory; None: this trainer's own (fp32). `dropout`:
         keep the model's own dropout in training (SFT); RL updates train without it (an update
         compares training-mode outputs with eval-mode ones: `roles._engine.without_dropout`), LoRA's
-        dropout included. `lora`: a `raypai.alignment.lora.LoRASpec` (None: every weight trains)."""
+        dropout included. `lora`: a `raypai.alignment.lora.LoRASpec` (None: every weight trains).
+
+        Several ranks (`rendezvous.ranks` > 1, this one `rank`; `raypai.alignment.ranks`): one
+        DeepSpeed engine across them at `zero_stage` (3: the parameters sharded too, loaded shard by
+        shard); each call's batch is split across the ranks by rows. `micro_batch`: rows per
+        forward/backward on a rank (0: its whole share). `activation_checkpointing`: recompute each
+        block's activations in the backward pass. `offload_optimizer`: ZeRO-Offload (stage ≥ 1)."""
         if head not in HEADS:
             raise ValueError(f"unknown trainer head {head!r}; choose one of {', '.join(HEADS)}")
         torch.set_num_threads(threads)
@@ -126,7 +149,13 @@ class Trainer(Sleeps):
         self.device = role_device(device, "trainer")
         self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None
         self.updates_done = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample)
-        model = _load(model_dir, head).to(self.device)
+        self.rank, self.ranks = rank, rendezvous.ranks if rendezvous else 1
+        self.zero_stage, self.micro_batch = zero_stage, micro_batch
+        _ranks.join(rendezvous, rank, use_gpu=self.device.type == "cuda")
+        conf = engine_config(zero_stage, offload_optimizer=offload_optimizer, ranks=self.ranks)
+        model = _load(model_dir, head, conf)
+        if zero_stage != 3:
+            model = model.to(self.device)
         self.lora = lora
         if lora is not None:
             from raypai.alignment import lora as L
@@ -134,6 +163,9 @@ class Trainer(Sleeps):
             model = L.attach(model, lora, L.head_modules(model) if head != "causal_lm" else None)
         if not dropout:
             without_dropout(model)
+        if activation_checkpointing:
+            # non-reentrant: the recomputation needs no input that requires grad (a LoRA run's embeddings do not)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # the transformers model the forward passes run (with LoRA, the base model holding the adapter layers)
         self.net = model.get_base_model() if lora is not None else model
         self._shared = None  # raypai.alignment.sync.SharedWeights: made now when live, else at the first same-node sync
@@ -142,6 +174,7 @@ class Trainer(Sleeps):
             and head == "causal_lm"
             and lora is None  # the replicas merge the adapters into weights of their own
             and zero_stage == 0
+            and self.ranks == 1
             and self.device.type == "cpu"
             and not sync_dtype
         )
@@ -152,8 +185,10 @@ class Trainer(Sleeps):
             self._shared = SharedWeights(self._shared_path(), params, create=True)
             self._shared.bind(params, copy=True)
             self._shared.stamp(0)
-        self.engine = make_engine(model, lr=lr, zero_stage=zero_stage, use_gpu=self.device.type == "cuda")
-        self.n_params = sum(p.numel() for p in model.parameters())
+        # ZeRO-3 leaves each rank a shard of every weight: the whole size is DeepSpeed's `ds_numel`
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        conf = engine_config(zero_stage, offload_optimizer=offload_optimizer, ranks=self.ranks, params=self.n_params)
+        self.engine = make_engine(model, lr=lr, conf=conf, use_gpu=self.device.type == "cuda")
         self.held: dict = {}
         self._forward = _Forward(self)
 
@@ -184,24 +219,82 @@ class Trainer(Sleeps):
         t0 = time.perf_counter()
         set_mode(self.engine, True)
         batch = _to(batch, self.device)
-        self._threads_for(batch)
+        mine, weight = _ranks.share(batch, self.rank, self.ranks)
+        self._threads_for(mine)
         version = self.updates_done
-        out = objective.loss(self._forward, batch)
-        loss = out.total / out.normaliser
-        self.engine.backward(loss)
+        parts = _ranks.micro_count(batch, self.ranks, self.micro_batch)  # the same on every rank
+        if parts == 1:
+            self._before_forward()
+            out = objective.loss(self._forward, mine)
+            units = self._all_units(out.normaliser * weight)
+            loss, outs = self._backward(out.total * weight, units), [(out, weight)]
+        else:
+            # micro-batches: every backward needs the step's whole normaliser up front, from the batch
+            if not hasattr(objective, "units"):
+                raise ValueError(
+                    f"{type(objective).__name__} has no units(batch), so it cannot run in micro-batches: "
+                    "set micro_batch=0 or give the objective a units() method (losses.objectives)"
+                )
+            units = self._all_units(float(objective.units(mine)) * weight)
+            loss, outs = 0.0, []
+            for i, (chunk, w) in enumerate(_ranks.micro(mine, parts)):
+                self._before_forward()
+                out = objective.loss(self._forward, chunk)
+                loss += self._backward(out.total * (weight * w), units, boundary=i == parts - 1)
+                outs.append((out, weight * w))
+        if self.ranks > 1:
+            [loss] = _ranks.all_sum([loss], self.device)
         if self._live:
             self._shared.stamp(-1)  # being written
         grad_norm = engine_step(self.engine)
         self.updates_done += 1
         if self._live:
             self._shared.stamp(self.updates_done)
-        metrics = {"loss": loss.item(), **{k: float(v) for k, v in out.stats.items()}}
         return {
-            **metrics,
+            "loss": loss,
+            **self._stats(outs),
             "grad_norm": grad_norm,
             "policy_version": version,
             "update_seconds": time.perf_counter() - t0,
         }
+
+    def _before_forward(self) -> None:
+        """What DeepSpeed's `engine.forward` does before a training forward (which runs the model
+        itself here, `_Forward`): a ZeRO optimizer counts the micro-batch, so the next backward's
+        gradients add to those of the last instead of replacing them."""
+        clear = getattr(self.engine.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None:
+            clear()
+
+    def _all_units(self, normaliser):
+        """The step's normaliser: this rank's, summed over the ranks (one rank: as it is)."""
+        if self.ranks == 1:
+            return normaliser
+        return _ranks.all_sum([normaliser], self.device)[0]
+
+    def _backward(self, total: torch.Tensor, units, boundary: bool | None = None) -> float:
+        """Backward of one (micro-)batch's share of the step's loss, total / units (`boundary`: whether
+        it is the step's last micro-batch; None: its only one). DeepSpeed averages the ranks'
+        gradients, so each rank's share is scaled by the rank count: the sum over ranks and
+        micro-batches is the one-process gradient of the whole batch. Returns this share's part of
+        the step's loss."""
+        if boundary is not None:
+            self.engine.set_gradient_accumulation_boundary(boundary)
+        share = total / units if self.ranks == 1 else total * self.ranks / units
+        self.engine.backward(share)
+        return share.item() / self.ranks
+
+    def _stats(self, outs: list) -> dict:
+        """The objective's stats of a step over its micro-batches and ranks ((Loss, weight) pairs): each
+        share's weighted by its normaliser, so a token mean stays the token mean of the whole batch."""
+        if len(outs) == 1 and self.ranks == 1:
+            return {k: float(v) for k, v in outs[0][0].stats.items()}
+        keys = sorted(outs[0][0].stats)
+        w = [float(o.normaliser) * wo for o, wo in outs]
+        sums = [sum(wi * float(o.stats[k]) for wi, (o, _) in zip(w, outs)) for k in keys] + [sum(w)]
+        if self.ranks > 1:
+            sums = _ranks.all_sum(sums, self.device)
+        return {k: v / sums[-1] if sums[-1] else 0.0 for k, v in zip(keys, sums)}
 
     def update_on(self, objective, *inputs, **named) -> dict:
         """`update` on the batch `objective.assemble` makes of `inputs` (what Ray hands over: the
@@ -226,19 +319,22 @@ class Trainer(Sleeps):
 
     def param_counts(self) -> dict:
         """Trainable and total parameters (with LoRA, the adapters and a scalar head are trainable)."""
-        trainable = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters() if p.requires_grad)
         return {"trainable_params": trainable, "total_params": self.n_params}
 
     # ---- forward passes (eval mode, no gradients) -----------------------------------------------
 
     def _infer(self, what: str, batch: dict) -> torch.Tensor:
+        """A forward pass over the batch, each rank on its share of the rows; the whole result on every rank."""
         set_mode(self.engine, False)
-        batch = _to(batch, self.device)
+        batch, weight = _ranks.share(_to(batch, self.device), self.rank, self.ranks)
         self._threads_for(batch, passes=2)
         with torch.no_grad():
             if what == "logprobs":
-                return self._forward.logprobs(batch, batch["response_mask"]).cpu()
-            return getattr(self._forward, what)(batch).cpu()
+                out = self._forward.logprobs(batch, batch["response_mask"]).cpu()
+            else:
+                out = getattr(self._forward, what)(batch).cpu()
+        return _ranks.gather(out, weight, self.ranks)
 
     def logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T−1) log-probs of the response tokens (`response_mask`), 0 elsewhere."""
@@ -293,9 +389,49 @@ class Trainer(Sleeps):
         if self.lora is not None:
             from raypai.alignment.lora import adapter_state
 
+            if self.rank:
+                return None  # every rank holds the same adapters (LoRA runs at ZeRO ≤ 2)
             state = adapter_state(self.engine.module)
             return {"lora": {k: v.detach().to("cpu").clone() for k, v in state.items()}, "spec": self.lora}
-        return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in self.engine.module.state_dict().items()}
+        state = self._whole_state()
+        if state is None:
+            return None
+        return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in state.items()}
+
+    def _whole_state(self) -> dict | None:
+        """The model's whole state dict on rank 0, None on the others. At ZeRO-3 every rank must call
+        it: DeepSpeed gathers the shards one module at a time into rank 0's host memory."""
+        if self.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()  # fp32 here: "16bit" is its name only
+        return None if self.rank else self.engine.module.state_dict()
+
+    def rank_memory(self) -> dict:
+        """This rank's model state in bytes: `params`, its own share of the parameters (at ZeRO-3 its
+        partitions); `optimizer`, the optimizer's state and the fp32 master partitions ZeRO ≥ 1 keeps
+        apart from the parameters; `grads`, the gradients it holds after a step's backward (its
+        partition at ZeRO ≥ 2: DeepSpeed's flat buffers; at stage 0, one per trainable parameter)."""
+        module = self.engine.module
+        own = {p.data_ptr() for p in module.parameters()}
+        params = sum(
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in module.parameters()
+        )
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO optimizers wrap the torch one
+        seen: set = set()
+
+        def size(t) -> int:
+            if not isinstance(t, torch.Tensor) or t.data_ptr() in seen or t.data_ptr() in own:
+                return 0
+            seen.add(t.data_ptr())
+            return t.numel() * t.element_size()
+
+        optimizer = sum(size(v) for st in inner.state.values() for v in st.values())
+        optimizer += sum(size(p) for g in inner.param_groups for p in g["params"])  # fp32 masters (ZeRO ≥ 1)
+        if self.zero_stage >= 2:
+            grads = sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
+        else:
+            grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        return {"rank": self.rank, "params": int(params), "optimizer": int(optimizer), "grads": int(grads)}
 
     def node_id(self) -> str:
         import ray
@@ -313,7 +449,9 @@ class Trainer(Sleeps):
         if self._live:
             self._shared.stamp(self.updates_done)
             return self._shared.path, self.updates_done, True
-        state = self.engine.module.state_dict()
+        state = self._whole_state()
+        if state is None:
+            return None  # not rank 0: the buffer is rank 0's
         if self._shared is None:
             # the layout in the replicas' dtype: the copy into the buffer casts (fp32 → bf16 for GPU replicas)
             like = {k: torch.empty(v.shape, dtype=self.sync_dtype or v.dtype, device="meta") for k, v in state.items()}
@@ -340,6 +478,9 @@ class Trainer(Sleeps):
 
         out = Path(out_dir)
         model = self.engine.module
+        state = self._whole_state() if self.zero_stage == 3 else None  # every rank takes part in the gather
+        if self.rank:
+            return str(out)
         if self.lora is not None:
             from raypai.alignment.lora import adapter_folder
 
@@ -351,7 +492,7 @@ class Trainer(Sleeps):
                 (adapter / "raypai.json").write_text(json.dumps(meta, indent=1, default=str))
             model = model.merge_and_unload()
             self.lora = None  # merged: a later update would train the merged weights, not adapters
-        model.save_pretrained(out, safe_serialization=True)
+        model.save_pretrained(out, safe_serialization=True, state_dict=state)
         copy_tokenizer_files(self.model_dir, out)
         if self.head == "causal_lm":
             write_generation_stops(out, ChatFormat.from_pretrained(self.model_dir).stop_ids)
@@ -375,7 +516,10 @@ class Trainer(Sleeps):
             save_latest=False,
             exclude_frozen_parameters=self.lora is not None,
         )
-        commit(folder, tag, keep=keep, point_latest=point_latest)
+        if self.ranks > 1:
+            torch.distributed.barrier()  # every rank's shard is written before `latest` names the tag
+        if self.rank == 0:
+            commit(folder, tag, keep=keep, point_latest=point_latest)
 
     def load_checkpoint(self, folder: str, tag: str | None = None) -> dict:
         """Load the checkpoint `tag` (None: the one `latest` names); returns its client state."""

@@ -200,11 +200,6 @@ def test_activation_formula_tracks_what_autograd_saves_and_checkpointing_cuts_it
     assert on.bytes["params"] == off.bytes["params"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lean forward (alignment/_lean.py lean_hidden) runs its own layer loop and ignores "
-    "gradient_checkpointing_enable, so activation_checkpointing saves nothing for Llama-family trainers",
-)
 def test_the_trainers_lean_forward_honours_activation_checkpointing(tiny_model):
     """What the plan assumes of `activation_checkpointing=True`: the trainer's forward (the lean one
     for Llama-family models) keeps less for the backward."""

@@ -438,10 +438,11 @@ def test_a_trainer_engine_ignores_a_master_port_it_inherits(tmp_path):
         taken.listen()
         code = (
             "import torch; from transformers import LlamaConfig, LlamaForCausalLM\n"
-            "from raypai.alignment.roles._engine import make_engine\n"
+            "from raypai.alignment.roles._engine import engine_config, make_engine\n"
+            "from raypai.alignment.roles._ranks import join\n"
             "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
             "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
-            "e = make_engine(m, lr=1e-3)\n"
+            "join(None, 0, use_gpu=False); e = make_engine(m, lr=1e-3, conf=engine_config())\n"
             "store = torch.distributed.distributed_c10d._get_default_store()\n"
             "print('world', torch.distributed.get_world_size(), type(store.underlying_store).__name__)\n"
         )

@@ -1,0 +1,157 @@
+"""Trained and frozen roles as groups of ranks on CPU (gloo, real Ray actors and DeepSpeed): a 2-rank
+update at ZeRO-2 and ZeRO-3 equals the 1-rank update of the same global batch, with micro-batches
+and with fewer rows than ranks too; each ZeRO-3 rank holds about half of the parameters; a ZeRO-3
+run's export loads in plain transformers with the trainer's weights; a 2-rank reference gives the
+1-rank log-probs; and a run whose rank is killed fails within its collective timeout naming the
+rank, and its re-run resumes from the last checkpoint to the same result as a run never killed."""
+
+import random
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from raypai.alignment import SFTConfig, run_sft
+from raypai.alignment._driver import RankFailure, Run
+from raypai.alignment._tensors import batch_of, encode_all
+from raypai.alignment.checkpoint import has_checkpoint, latest_tag
+from raypai.alignment.config import DPOConfig
+from raypai.alignment.data import sft_examples
+from raypai.alignment.losses.objectives import SFT
+from raypai.alignment.models import format_and_limit
+from raypai.alignment.placement import RoleSpec
+from raypai.alignment.tasks import arithmetic as ar
+
+pytestmark = pytest.mark.integration
+TRAIN, HELD = ar.split()
+EXAMPLES = sft_examples(ar.sft_rows(TRAIN))
+
+
+@pytest.fixture(scope="module")
+def ray8(shared_ray):
+    return shared_ray(num_cpus=8)
+
+
+def batches(model_dir: str, sizes: list[int], seed: int = 0) -> list[dict]:
+    fmt, trunc = format_and_limit(model_dir, SFTConfig())
+    enc = encode_all(fmt, EXAMPLES, trunc, "training")
+    rng = random.Random(seed)
+    return [batch_of(enc, [rng.randrange(len(enc)) for _ in range(n)], fmt.tok.pad_token_id) for n in sizes]
+
+
+def trained(model_dir: str, cfg: SFTConfig, steps: list[dict], name: str, export_to=None):
+    """The policy's weights after one update per batch of `steps` (and its per-rank memory)."""
+    with Run(name, {"policy": RoleSpec(cpus=0.5, replicas=cfg.ranks)}) as run:
+        policy = run.place_policy(model_dir, cfg)
+        metrics = [ray.get(policy.update.remote(SFT(), SFT().assemble(b))) for b in steps]
+        state = ray.get(policy.state_dict.remote())
+        actors = getattr(policy, "actors", [policy])
+        memory = ray.get([a.rank_memory.remote() for a in actors])
+        if export_to is not None:
+            ray.get(policy.export.remote(str(export_to)))
+        run.summary = None
+    return state, metrics, memory
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def off_by(a: dict, b: dict, start: dict) -> float:
+    """How far weights `b` are from `a`, relative to how far `a` moved from `start` (2-norms over all
+    weights). Not the largest difference of one weight: AdamW's step is g / (√v + ε), so a gradient
+    entry that is ~ε (a float cancellation, 1e-8) moves its weight by an unstable fraction of the
+    learning rate; the gradients themselves are compared through the steps' `grad_norm` and `loss`."""
+    diff = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a)
+    moved = sum(float((a[k].float() - start[k].float()).pow(2).sum()) for k in a)
+    return (diff / moved) ** 0.5
+
+
+def same_steps(m1: list, m2: list) -> None:
+    for a, b in zip(m1, m2, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (m1, m2)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (m1, m2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_update_as_one_rank_does(ray8, tiny_model, stage):
+    steps = batches(tiny_model, [6, 5, 1])  # an odd batch, and one row for two ranks (one rank idles)
+    one, m1, mem1 = trained(tiny_model, SFTConfig(lr=1e-2, zero_stage=stage), steps, f"one-{stage}")
+    two, m2, mem2 = trained(tiny_model, SFTConfig(lr=1e-2, zero_stage=stage, ranks=2), steps, f"two-{stage}")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert max_diff(one, start) > 1e-3  # the updates moved the weights
+    same_steps(m1, m2)
+    assert off_by(one, two, start) < 1e-4, off_by(one, two, start)
+    # micro-batches of 2 rows on each of the 2 ranks (the same number on both: one rank's last is empty
+    # for the 5-row batch): the same update again
+    micro, m3, _ = trained(
+        tiny_model, SFTConfig(lr=1e-2, zero_stage=stage, ranks=2, micro_batch=2), steps, f"micro-{stage}"
+    )
+    same_steps(m1, m3)
+    assert off_by(one, micro, start) < 1e-4, off_by(one, micro, start)
+    # and a wrong update is far off: the batches' last step left out
+    fewer, _, _ = trained(tiny_model, SFTConfig(lr=1e-2, zero_stage=stage, ranks=2), steps[:2], f"fewer-{stage}")
+    assert off_by(one, fewer, start) > 0.1
+    if stage == 3:
+        # each rank holds about half of the parameters (its partitions), together all of them
+        whole = mem1[0]["params"]
+        halves = [m["params"] for m in mem2]
+        assert all(h < 0.6 * whole for h in halves), (halves, whole)
+        assert sum(halves) >= 0.99 * whole
+
+
+def test_zero3_export_loads_in_transformers_with_the_trainers_weights(ray8, tiny_model, tmp_path):
+    steps = batches(tiny_model, [4, 4])
+    state, _, _ = trained(tiny_model, SFTConfig(lr=1e-2, zero_stage=3, ranks=2), steps, "export3", tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert max_diff({k: loaded[k] for k in state}, state) == 0.0
+    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert max_diff({k: start[k] for k in state}, state) > 1e-3
+
+
+def test_two_rank_reference_gives_the_one_rank_logprobs(ray8, tiny_model):
+    [batch] = batches(tiny_model, [7])
+    out = []
+    for n in (1, 2):
+        cfg = DPOConfig(reference_ranks=n)
+        with Run(f"ref{n}", {"reference": RoleSpec(cpus=0.5, replicas=n)}) as run:
+            ref = run.place_reference(tiny_model, cfg, policy=None)
+            out.append(ray.get(ref.logprobs.remote(batch)))
+    assert out[0].shape == out[1].shape == (7, batch["input_ids"].shape[1] - 1)
+    assert torch.equal(out[0], out[1])
+    assert (out[0] != 0).any()
+
+
+def test_a_killed_rank_fails_the_run_in_time_and_the_rerun_resumes(ray8, tiny_model, tmp_path):
+    cfg = SFTConfig(steps=40, batch_size=4, lr=3e-3, ranks=2, checkpoint_every=4, collective_timeout_s=30)
+    held = sft_examples(ar.sft_rows(HELD))[:8]
+    ckpt = tmp_path / "ckpt"
+    killed = {}
+
+    def kill_after_a_checkpoint():
+        while not (has_checkpoint(ckpt) and latest_tag(ckpt / "policy") >= "step-000008"):
+            time.sleep(0.05)
+        ray.kill(ray.get_actor("killed/policy-1"))
+        killed["at"] = time.monotonic()
+
+    t = threading.Thread(target=kill_after_a_checkpoint, daemon=True)
+    t.start()
+    with pytest.raises(RankFailure, match=r"rank 1 of killed/policy died") as err:
+        run_sft(tiny_model, str(tmp_path / "a"), EXAMPLES, held, cfg, run_name="killed", checkpoint_dir=str(ckpt))
+    failed_after = time.monotonic() - killed["at"]
+    assert failed_after < cfg.collective_timeout_s + 15, failed_after
+    assert "resume" in str(err.value)
+    resumed_from = int(latest_tag(ckpt / "policy").split("-")[1])
+    assert 8 <= resumed_from < cfg.steps
+
+    # the re-run resumes there and ends where a run never killed ends (same data, same updates)
+    resumed = run_sft(tiny_model, str(tmp_path / "b"), EXAMPLES, held, cfg, run_name="rerun", checkpoint_dir=str(ckpt))
+    whole = run_sft(tiny_model, str(tmp_path / "c"), EXAMPLES, held, cfg, run_name="whole")
+    assert resumed["eval_response_loss_before"] == whole["eval_response_loss_before"]
+    assert resumed["eval_response_loss_after"] == pytest.approx(whole["eval_response_loss_after"], rel=1e-5)
+    assert whole["eval_response_loss_after"] < 0.7 * whole["eval_response_loss_before"]  # and it learned
+    assert whole["ranks_policy"] == 2
