@@ -25,7 +25,9 @@ def test_dpo_ppo_and_file_configs_are_checked():
     assert len(err.value.problems) == 3 and "choose one of sigmoid, ipo, hinge" in str(err.value)
     with pytest.raises(ConfigError, match="gamma and lam must be in"):
         PPOConfig(lam=1.5).validate()
-    with pytest.raises(ConfigError, match="unknown option 'lr_rate'; valid options: steps, batch_size, checkpoint_every, lr,"):
+    with pytest.raises(
+        ConfigError, match="unknown option 'lr_rate'; valid options: steps, batch_size, checkpoint_every, lr,"
+    ):
         C.from_dict("sft", {"lr_rate": 1})
     with pytest.raises(ConfigError, match="unknown algorithm 'ppo2'; choose one of sft, reward_model"):
         C.from_dict("ppo2", {})
