@@ -158,10 +158,13 @@ def adapter_state(peft_model) -> dict:
     return get_peft_model_state_dict(peft_model)
 
 
-def merge_into(model, adapter: dict, spec: LoRASpec, base: dict) -> dict:
+def merge_into(model, adapter: dict, spec: LoRASpec, kept: dict) -> dict:
     """Set a plain model's targeted weights to base + (α / r) · B A from `adapter` (peft's names,
-    `adapter_state`); `base`: the targeted weights as they were before any adapter (kept by the
-    caller, filled here on first use). A trained head's weights are copied. Returns `base`."""
+    `adapter_state`). `kept` (the caller's, filled here) is what the next call needs: for fp32
+    weights, the factors last merged, and each call adds the difference of the two deltas in place
+    (no copy of the base weights; each update adds one fp32 rounding, ~1e-7 of the weight); for
+    lower precision, where that rounding would pile up, a copy of the targeted base weights. A
+    trained head's weights are copied. Returns `kept`."""
     params = dict(model.named_parameters())
     factors: dict[str, dict] = {}
     for key, t in adapter.items():
@@ -176,17 +179,27 @@ def merge_into(model, adapter: dict, spec: LoRASpec, base: dict) -> dict:
                     params[name].copy_(t)
     kinds = _linear_types()
     modules = dict(model.named_modules())
+
+    def delta_of(f: dict, scale: float, conv1d: bool) -> torch.Tensor:
+        d = scale * (f["B"].to(torch.float32) @ f["A"].to(torch.float32))  # (out, in)
+        return d.T if conv1d else d  # Conv1D: (in, out)
+
     with torch.no_grad():
         for module, f in factors.items():
             layer = modules[module]
-            w = layer.weight
-            if module not in base:
-                base[module] = w.detach().clone()
-            delta = spec.scale * (f["B"].to(torch.float32) @ f["A"].to(torch.float32))  # (out, in)
-            if isinstance(layer, kinds[1]):  # Conv1D: (in, out)
-                delta = delta.T
-            w.copy_((base[module].to(torch.float32) + delta.to(w.device)).to(w.dtype))
-    return base
+            w, conv1d = layer.weight, isinstance(layer, kinds[1])
+            delta = delta_of(f, spec.scale, conv1d).to(w.device)
+            if w.dtype == torch.float32:
+                last = kept.get(module)
+                if last is not None:
+                    delta = delta - delta_of(last[0], last[1], conv1d).to(w.device)
+                w.add_(delta)
+                kept[module] = ({"A": f["A"].clone(), "B": f["B"].clone()}, spec.scale)
+            else:
+                if module not in kept:
+                    kept[module] = w.detach().clone()
+                w.copy_((kept[module].to(torch.float32) + delta).to(w.dtype))
+    return kept
 
 
 def adapter_folder(out_dir) -> str:

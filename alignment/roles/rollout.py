@@ -72,8 +72,9 @@ class Rollout:
     def load_weights(self, state: dict, version: int | None = None) -> int:
         """Load the trainer's weights; `version` (its update count) is reported with every sample. A
         LoRA trainer hands over its adapters only ({"lora": factors, "spec": LoRASpec}, `Trainer.
-        state_dict`): they are merged into this replica's own weights (base + (α / r) · B A, from a
-        copy of the targeted base weights kept at the first load), so decoding runs a plain model.
+        state_dict`): they are merged into this replica's own weights (fp32 weights take the change of the
+        delta in place; lower precision is merged onto a copy of the targeted base weights kept at the
+        first load: `lora.merge_into`), so decoding runs a plain model.
         Returns the bytes handed over."""
         if "lora" in state:
             from raypai.alignment.lora import merge_into

@@ -116,12 +116,19 @@ def test_a_replica_merging_the_adapters_samples_from_the_adapted_model(family):
     after = replica.logprobs(batch)
     assert torch.allclose(after, t.logprobs(batch), atol=1e-5)
     assert not torch.allclose(after, before, atol=1e-3)
-    # a second load replaces the first adapters (merged from the kept base, not on top of them)
+    # a second load replaces the first adapters (their change merged, not added on top of them)
     replica.load_weights(state, version=6)
     assert torch.allclose(replica.logprobs(batch), after, atol=1e-6)
+    # new adapters replace the old: the weights are base + the new delta (fp32 replicas keep the last
+    # factors, not a copy of the base weights)
+    t.update_on(SFT(), _batch())
+    replica.load_weights(t.state_dict(), version=7)
+    assert torch.allclose(replica.logprobs(batch), t.logprobs(batch), atol=1e-5)
+    kept = sum(x.numel() * x.element_size() for f, _ in replica._lora_base.values() for x in f.values())
+    assert kept <= sent
     prompts = ["1+2=", "3+4="]
     out = replica.generate(prompts, n=2, max_new_tokens=4, temperature=0.0)
-    assert out["weights_version"] == 6
+    assert out["weights_version"] == 7
 
 
 def test_the_merged_export_and_the_adapter_load_in_transformers_and_peft(family, tmp_path):
