@@ -426,9 +426,14 @@ class Trainer(Sleeps):
             return t.numel() * t.element_size()
 
         optimizer = sum(size(v) for st in inner.state.values() for v in st.values())
-        optimizer += sum(size(p) for g in inner.param_groups for p in g["params"])  # fp32 masters (ZeRO ≥ 1)
-        if self.zero_stage >= 2:
-            grads = sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
+        # the fp32 master partitions ZeRO keeps apart from the module's parameters (stage 1-2, stage 3)
+        masters = [
+            *getattr(opt, "single_partition_of_fp32_groups", []),
+            *getattr(opt, "fp32_partitioned_groups_flat", []),
+        ]
+        optimizer += sum(size(t) for t in masters)
+        if self.zero_stage >= 2:  # a gradient partition the size of the master partition
+            grads = sum(t.numel() * t.element_size() for t in masters)
         else:
             grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         return {"rank": self.rank, "params": int(params), "optimizer": int(optimizer), "grads": int(grads)}
