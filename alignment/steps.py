@@ -156,7 +156,7 @@ class _StepLogger:
         self.report(self.total if step is None else step, self.total, "steps")
 
 
-@step(cpus=0.25)
+@step(cpus=0.25, paths=("path",))  # by content: an edited file re-runs this step and what it feeds
 def alignment_data(ctx: StepContext, path: str, kind: str = "sft", name: str = "") -> Artifact:
     """The user's alignment data (JSONL/Parquet file or folder, any pyarrow filesystem URI, or a
     `datasets.save_to_disk` folder), validated as `kind` (sft | preference | prompt) and committed as
@@ -256,7 +256,7 @@ def dpo(
     return _on_examples(ctx, "dpo", sft_model, "sft_model", data, eval_data, config, eval_fraction)
 
 
-@step(cpus=0.5)
+@step(cpus=0.5, import_paths=("rewards",))  # an edited reward function re-runs the step
 def online_dpo(
     ctx: StepContext,
     sft_model: Artifact,
@@ -282,7 +282,7 @@ def online_dpo(
     )
 
 
-@step(cpus=0.5)
+@step(cpus=0.5, import_paths=("rewards",))  # an edited reward function re-runs the step
 def grpo(
     ctx: StepContext,
     sft_model: Artifact,
@@ -300,7 +300,7 @@ def grpo(
     )
 
 
-@step(cpus=0.5)
+@step(cpus=0.5, import_paths=("rewards",))  # an edited reward function re-runs the step
 def ppo(
     ctx: StepContext,
     sft_model: Artifact,
@@ -317,7 +317,7 @@ def ppo(
     )
 
 
-@step(cpus=0.5)
+@step(cpus=0.5, import_paths=("rewards",))  # an edited reward function re-runs the step
 def evaluate(
     ctx: StepContext,
     candidate: Artifact,
@@ -374,7 +374,7 @@ def evaluate(
     return res
 
 
-@step(cpus=0.25)
+@step(cpus=0.25, paths=("path",))  # re-exported weights in the same folder: a new model artifact
 def import_model(ctx: StepContext, path: str, name: str = "", register_as: str = "", alias: str = "base") -> Artifact:
     """An existing HF causal-LM folder (weights + tokenizer) → a model artifact whose lineage root is
     the source folder, registered in the MLflow registry as `register_as` (with `alias`) when given,
@@ -390,7 +390,7 @@ def import_model(ctx: StepContext, path: str, name: str = "", register_as: str =
     return art
 
 
-@step(cpus=0.25)
+@step(cpus=0.25, paths=("path",))
 def import_adapter(
     ctx: StepContext,
     path: str,

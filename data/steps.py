@@ -12,9 +12,10 @@ from raypai.data.tokenizer import tokenize as tokenize_dataset
 from raypai.data.tokenizer import train_tokenizer as train_bpe
 
 
-@step(cpus=0.5, cache=False)
+@step(cpus=0.5, paths=("path",))
 def source(ctx: StepContext, path: str) -> Artifact:
-    """Record a folder of raw files (by digest, not copied): the root of every lineage chain."""
+    """Record a folder of raw files (by digest, not copied): the root of every lineage chain. Keyed
+    by the folder's content, so an edited file re-runs it and everything downstream."""
     return ctx.register_source(path)
 
 

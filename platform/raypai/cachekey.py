@@ -17,7 +17,12 @@ A key is made of:
     `BUILTIN_LIBRARIES` for raypai's own steps, else the third-party packages that the step's
     project modules import;
   - `raypai`: the installed version; for an editable install also a digest of every file of its
-    packages (data files such as word lists included), which catches code reached by import path.
+    packages (data files such as word lists included), which catches code reached by import path;
+  - `files` (only when the step declares path parameters: `@step(paths=(...))` or a `pathlib.Path`
+    type): per parameter the file's or folder's content digest (raypai.filedigests; a URI by its
+    listing), so an edited file under the same path is a miss;
+  - `refs` (only when the step declares `@step(import_paths=(...))`): per 'pkg.mod:fn' named, the
+    digests of its module's project closure, as for the step's own imports.
 
 File digests are cached per process: the user's files by (path, mtime, size), so an edit between
 two runs in one process counts; raypai's own files once per process (the platform the process runs).
@@ -36,6 +41,8 @@ import site
 import sys
 import sysconfig
 from pathlib import Path
+
+from raypai.filedigests import FileDigests
 
 __all__ = ["BUILTIN_LIBRARIES", "KeyBuilder", "cache_key", "explain_miss", "library_version"]
 
@@ -264,7 +271,8 @@ class KeyBuilder:
     """Cache-key components for the steps of one run. Module closures are computed once per run
     (steps of one module share them); file digests are cached per process (see the module doc)."""
 
-    def __init__(self):
+    def __init__(self, digests: FileDigests | None = None):
+        self.digests = digests or FileDigests()  # the runner passes one kept in the raypai home
         self._closures: dict[str, tuple[dict[str, str], frozenset[str]]] = {}
         self._resolved: dict[str, tuple[str, str | None]] = {}
 
@@ -280,7 +288,21 @@ class KeyBuilder:
             "code": code,
             "libraries": {d: library_version(d) for d in sorted(self._libraries(step, module, third_party))},
             "raypai": raypai_version(),
+            **self._named(step, inputs_view),
         }
+
+    def _named(self, step, inputs_view: dict) -> dict:
+        """`files` and `refs`: what the step's path and import-path parameters name, by content."""
+        files = {
+            p: _each(inputs_view[p], self.digests.of)
+            for p in sorted(getattr(step, "path_params", ()))
+            if inputs_view.get(p) not in (None, "", [], ())
+        }
+        refs: dict[str, dict[str, str]] = {}
+        for p in sorted(getattr(step, "import_params", ())):
+            for ref in _import_refs(inputs_view.get(p)):
+                refs[ref] = self._closure(_module_of(ref))[0]
+        return {k: v for k, v in (("files", files), ("refs", refs)) if v}
 
     @staticmethod
     def _libraries(step, module: str, third_party: frozenset[str]) -> set[str]:
@@ -336,6 +358,25 @@ class KeyBuilder:
         return out
 
 
+def _each(value, fn):
+    return [fn(v) for v in value] if isinstance(value, list | tuple) else fn(value)
+
+
+def _import_refs(value) -> list[str]:
+    """'pkg.mod:fn' strings in a parameter: one string, a list (of strings or (string, weight)
+    pairs) or a {string: weight} dict; a trailing '=weight' is no part of the name."""
+    if isinstance(value, dict):
+        value = list(value)
+    items = value if isinstance(value, list | tuple) else [value]
+    names = [(i[0] if isinstance(i, list | tuple) and i else i) for i in items]
+    return sorted({n.partition("=")[0].strip() for n in names if isinstance(n, str) and n.strip()})
+
+
+def _module_of(ref: str) -> str:
+    mod, sep, _ = ref.partition(":")
+    return mod if sep else ref.rpartition(".")[0]
+
+
 # ---- why (not) a hit -------------------------------------------------------------------------------
 
 
@@ -347,7 +388,7 @@ def explain_miss(
         return ["no earlier run of this step recorded its key"]
     if before.get("v") != now.get("v"):
         return ["the earlier run's key was computed by another raypai version"]
-    why: list[str] = []
+    why: list[str] = _named_changes(now, before)
     module = now["step"].partition(":")[0]
     if now["source"] != before.get("source"):
         why.append(f"the step function {now['step']} changed")
@@ -379,6 +420,36 @@ def explain_miss(
         )
     why += [f"new parameter {p}" for p in in_added] + [f"parameter {p} removed" for p in in_removed]
     return why
+
+
+def _named_changes(now: dict, before: dict) -> list[str]:
+    """What changed in the files and import-path code a step's parameters name (a renamed path or
+    an added reward is said by the parameter's own line)."""
+    why = []
+    files_now, files_before = now.get("files", {}), before.get("files", {})
+    for p in _dict_diff(files_now, files_before)[0]:
+        a, b = files_now[p], files_before[p]
+        if isinstance(a, dict) and isinstance(b, dict):
+            if a.get("path", a.get("uri")) == b.get("path", b.get("uri")):
+                why.append(_file_change(a, b))
+        else:
+            why.append(f"the files of parameter {p} changed")
+    refs_now, refs_before = now.get("refs", {}), before.get("refs", {})
+    for ref in _dict_diff(refs_now, refs_before)[0]:
+        mods = _dict_diff(refs_now[ref], refs_before[ref])
+        why.append(f"{ref.replace(':', '.')} changed (code of {_names(sorted(set().union(*mods)))})")
+    return why
+
+
+def _file_change(now: dict, before: dict) -> str:
+    where = now.get("path") or now.get("uri") or "?"
+    name = os.path.basename(where.rstrip("/")) or where
+    if now.get("missing"):
+        return f"{name} is gone ({where})"
+    if "sha256" in now:
+        old = before.get("sha256", "none")[:12]
+        return f"{name} changed: sha256 {old}… → {now['sha256'][:12]}… ({now['bytes']} bytes, {where})"
+    return f"{name} changed: its listing (object sizes and times) differs ({where})"
 
 
 def _dict_diff(now: dict, before: dict) -> tuple[list[str], list[str], list[str]]:

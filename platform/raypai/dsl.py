@@ -124,6 +124,8 @@ class StepDef:
         cache=True,
         libraries=None,
         cache_check=None,
+        paths=(),
+        import_paths=(),
     ):
         self.fn = fn
         self.name = name or fn.__name__
@@ -147,6 +149,10 @@ class StepDef:
 
         self.ctx_param = next((p for p in self.signature.parameters if p == "ctx" or hints.get(p) is StepContext), None)
         self.hints = hints
+        # parameters that enter the cache key by what they name (raypai.cachekey): files or folders by
+        # content (declared with paths=, or typed pathlib.Path), import paths 'mod:fn' by module source
+        self.path_params = _declared(self, "paths", paths) | {p for p, h in hints.items() if _is_path_hint(h)}
+        self.import_params = _declared(self, "import_paths", import_paths)
         functools.update_wrapper(self, fn)
 
     @functools.cached_property
@@ -203,9 +209,12 @@ class StepDef:
 
 def step(fn=None, **options):
     """Decorator: `@step` or `@step(cpus=2, gpus=0, retries=1, cache=True, memory=None, resources={},
-    libraries=("transformers", "torch"), cache_check=None)`. `libraries` names the distributions (as
-    pip names them) whose versions enter the step's cache key; by default raypai picks them (see
-    raypai.cachekey). `cache_check(value, store)` vets a cache hit against the world outside
+    libraries=("transformers", "torch"), cache_check=None, paths=("data",), import_paths=("rewards",))`.
+    `libraries` names the distributions (as pip names them) whose versions enter the step's cache key;
+    by default raypai picks them (see raypai.cachekey). `paths` names the parameters holding a file,
+    folder or URI (a parameter typed `pathlib.Path` is one too): they enter the key by content, so an
+    edited file is a cache miss. `import_paths` names the parameters holding 'pkg.mod:fn' strings
+    (one or a list): they enter the key by the source of those modules and what they import. `cache_check(value, store)` vets a cache hit against the world outside
     raypai's stores: it returns None when the cached value still holds, else the reason it does not
     (the step then runs again); the deploy step checks that its deployment still serves the version."""
     if fn is None:
@@ -289,6 +298,27 @@ def _plain(value):
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
+
+
+def _declared(step: StepDef, option: str, names) -> frozenset[str]:
+    if isinstance(names, str) or not all(isinstance(x, str) for x in names):
+        raise ConfigError([f"{option}={names!r} must be a tuple of parameter names"], what=f"step {step.identity}")
+    unknown = [n for n in names if n not in step.signature.parameters]
+    if unknown:
+        raise ConfigError(
+            [f"{option}: {unknown_key(n, list(step.signature.parameters), noun='parameter')}" for n in unknown],
+            what=f"step {step.identity}",
+        )
+    return frozenset(names)
+
+
+def _is_path_hint(hint) -> bool:
+    """`Path`, `Path | None`, `list[Path]`."""
+    from pathlib import PurePath
+
+    if isinstance(hint, type) and typing.get_origin(hint) is None:
+        return issubclass(hint, PurePath)
+    return any(_is_path_hint(a) for a in typing.get_args(hint))
 
 
 def _check_libraries(identity: str, libraries) -> tuple[str, ...] | None:

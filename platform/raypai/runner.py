@@ -21,6 +21,7 @@ from raypai.artifacts import Artifact, ArtifactStore
 from raypai.cachekey import KeyBuilder, cache_key, explain_miss
 from raypai.dsl import DAG, StepOutput, canonical
 from raypai.errors import PipelineError
+from raypai.filedigests import FileDigests
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 from raypai.tracking import Tracker
@@ -103,6 +104,8 @@ class Runner:
         self.store = MetadataStore(self.settings.database_url)
         self.artifacts = ArtifactStore(self.settings.artifact_uri, cache_dir=self.settings.home / "cache")
         self.tracker = tracker_for(self.settings)
+        # sha256 per user file by (size, mtime_ns): an unchanged big input is not read on every run
+        self.file_digests = FileDigests(self.settings.home / "cache" / "file_digests.json")
 
     def run(self, dag: DAG, *, origin_run_id: str | None = None, source_file: str | None = None) -> RunResult:
         from raypai.progress import WorkerLogs
@@ -240,7 +243,7 @@ class Runner:
         of the project modules it imports, library and raypai versions. Module closures are shared
         by the steps of one run."""
         if getattr(self, "_keys_run", None) != run_id:
-            self._keys_run, self._keys = run_id, KeyBuilder()
+            self._keys_run, self._keys = run_id, KeyBuilder(self.file_digests)
         return self._keys.components(dag.nodes[node].step, {k: _digest_view(v) for k, v in inputs.items()})
 
     def _prepare(self, run_id, dag, node, results, origin_run_id) -> tuple[str, StepResult | None]:
@@ -252,6 +255,7 @@ class Runner:
         key = cache_key(parts)
         params = {k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)}
         hit, reason = self._cache_lookup(key, spec.cache or origin_run_id is not None, spec.cache_check)
+        self.file_digests.save()  # raw sources checked by the lookup
         if reason is None:
             reason = self._explain_miss(dag, node, parts, params)
         srid = self.store.create_step_run(
@@ -286,11 +290,11 @@ class Runner:
         if hit is None:
             return None, None
         src = hit["step_run"]
-        if not all(_present(self.artifacts, a) for a in hit["outputs"].values()):
-            # outputs deleted from the store (or raw sources moved): run again
+        if not all(_present(self.artifacts, a, self.file_digests) for a in hit["outputs"].values()):
+            # outputs deleted from the store (or raw sources moved or edited): run again
             return None, (
                 f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
-                "outputs are gone from the artifact store (or its raw source moved)"
+                "outputs are gone from the artifact store (or its raw source moved or changed)"
             )
         if check is not None:
             stale = check((src.get("result") or {}).get("value"), self.store)
@@ -425,12 +429,11 @@ def _remote_execute():
 _EXECUTE = None
 
 
-def _present(store: ArtifactStore, art: Artifact) -> bool:
-    """Raw sources live outside the store (recorded, not copied): they count while their path exists."""
+def _present(store: ArtifactStore, art: Artifact, digests: FileDigests) -> bool:
+    """Raw sources live outside the store (recorded, not copied): they count while their path holds
+    the content recorded (its digest, by the size/mtime fast path when unchanged)."""
     if art.kind == "source" and "://" not in art.uri:
-        from pathlib import Path
-
-        return Path(art.uri).exists()
+        return digests.of(art.uri).get("sha256") == art.digest
     return store.exists(art.uri)
 
 
