@@ -8,7 +8,8 @@ process before calling `pretrain`:
 `pretrain` reads it once (`Faults.from_env`) and hands the value to its workers with the loop
 config, so the workers need not inherit the driver's environment.
 - `trace_dir`: every worker appends the block ids it trains on to `rank{r}.jsonl` (one line per
-  step and micro-step) and, at the end of its loop, its memory peak to `memory-rank{r}.json`.
+  step and micro-step) and, at the end of its loop, its memory peak and the parameter elements it
+  holds (`model.local_param_count`: at ZeRO-3 its partitions) to `memory-rank{r}.json`.
 - `kill_worker_at_step`: the last worker's process exits once (`os._exit(1)`) at this step, after
   the latest checkpoint is registered; a `killed-at-{step}` marker in `trace_dir` (required) makes
   it happen only once per drill.
@@ -69,10 +70,12 @@ class Faults:
             _reset_peak()
         return _status_bytes("VmRSS")
 
-    def record_memory(self, rank: int, rss_at_start: int) -> None:
+    def record_memory(self, rank: int, rss_at_start: int, *, param_elements: int) -> None:
         if self.trace_dir:
             (Path(self.trace_dir) / f"memory-rank{rank}.json").write_text(
-                json.dumps({"rss_at_start": rss_at_start, "peak_rss": _status_bytes("VmHWM")})
+                json.dumps(
+                    {"rss_at_start": rss_at_start, "peak_rss": _status_bytes("VmHWM"), "param_elements": param_elements}
+                )
             )
 
 

@@ -1,11 +1,11 @@
 """Checkpoints of the full training state, saved through `ray.train.report` into the run's storage.
 
-A checkpoint folder holds DeepSpeed's files (`state/`: module weights, this rank's ZeRO optimizer
-partition, lr scheduler), one `rng-rank{r}.pt` per worker and `data_position.json` (the next
-optimizer step; with `data.BlockOrder` that step fixes every block each worker reads next). The
-final checkpoint also holds `metrics.json`, the finished run's metrics, so that a run resumed at
-its last step (called again by name, or its worker group restarted after the final report) reports
-them again instead of an empty window.
+A checkpoint folder holds DeepSpeed's files (`state/`: module weights, at ZeRO-3 each rank's
+partition of them, this rank's ZeRO optimizer partition, lr scheduler), one `rng-rank{r}.pt` per
+worker and `data_position.json` (the next optimizer step; with `data.BlockOrder` that step fixes
+every block each worker reads next). The final checkpoint also holds `metrics.json`, the finished
+run's metrics, so that a run resumed at its last step (called again by name, or its worker group
+restarted after the final report) reports them again instead of an empty window.
 
 Two ways to save (`PretrainConfig.async_checkpoint`):
 - synchronous (`save`): serialize into `/dev/shm`, upload to storage, then continue training;
@@ -81,9 +81,19 @@ def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False, metric
         # ranks' copies of one file (their metrics differ in per-rank timings, so in length) raced
         # there into a file with another's tail ("Extra data" when a finished run was read back)
         (folder / FINAL_METRICS).write_text(json.dumps(metrics, default=float))
-    if with_hf and rank == 0:
-        engine.module.save_pretrained(folder / "hf", safe_serialization=True)
+    if with_hf:
+        save_hf(engine, folder / "hf", rank)
     return folder
+
+
+def save_hf(engine, folder: Path, rank: int) -> None:
+    """Rank 0 writes the whole model as a Hugging Face folder (safetensors). At ZeRO-3 every rank must
+    call this: DeepSpeed gathers the partitions one module at a time into rank 0's host memory
+    (`_zero3_consolidated_16bit_state_dict`, which keeps the weights' own dtype, fp32 on the CPU,
+    whatever its name says; tied weights stay one tensor, which `save_pretrained` writes once)."""
+    state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() else None
+    if rank == 0:
+        engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
 
 
 def _report(folder: Path, metrics: dict, next_step: int, *, upload_async: bool) -> None:

@@ -95,8 +95,6 @@ class PretrainConfig:
             p.append(f"schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         if self.zero_stage not in (0, 1, 2, 3):
             p.append(f"zero_stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
-        if self.zero_stage == 3 and not self.use_gpu:
-            p.append("zero_stage 3 is not supported on CPU here; use 0, 1 or 2 (or strategy='auto')")
         if self.strategy not in ("manual", "auto"):
             p.append(f"strategy {self.strategy!r} is unknown; use 'manual' or 'auto'")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:

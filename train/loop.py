@@ -1,6 +1,7 @@
 """The per-worker training function Ray Train runs: one DeepSpeed engine per worker.
 
-Each worker: build the model from the config (same seed → same initial weights everywhere),
+Each worker: build the model from the config (same seed → same initial weights everywhere; at
+ZeRO-3 under `deepspeed.zero.Init`, so each worker only holds its partition of the weights),
 wrap it in DeepSpeed (ZeRO stage from the plan), resume from the latest checkpoint if Ray Train
 hands one over, then for each optimizer step read its blocks from the shard files in `BlockOrder`'s order
 (`Prefetcher`: the next micro-batch is decoded while this one trains), accumulate
@@ -32,6 +33,21 @@ def ds_config(cfg) -> dict:
         "checkpoint": {"tag_validation": "Ignore"},
         "bf16": {"enabled": bool(cfg.use_gpu)},  # fp32 on CPU: gloo has no bf16 all-reduce fast path
     }
+    if cfg.zero_stage == 3:
+        zero = conf["zero_optimization"]
+        # every parameter partitioned, however small: DeepSpeed's default keeps those under 1e5
+        # elements whole on every rank (norms, and all of a small model's weights), which saves a
+        # gather per module and pass but leaves them unsharded
+        zero["stage3_param_persistence_threshold"] = 0
+        if not cfg.use_gpu:
+            # each module's weights released right after its use, and gathered again in the backward
+            # (ZeRO-3's 1.5× traffic, as `strategy` assumes). DeepSpeed's defaults prefetch up to 5e7
+            # elements ahead and keep those reused within 1e9: every weight of a model below those
+            # sizes then stays gathered from its forward to its backward, and after an evaluation (no
+            # backward) until the next step: the whole model on every worker, which is what ZeRO-3
+            # on CPU workers, chosen for memory, is there to avoid
+            zero["stage3_prefetch_bucket_size"] = 0
+            zero["stage3_max_reuse_distance"] = 0
     for k, v in cfg.deepspeed_config.items():
         conf[k] = {**conf[k], **v} if isinstance(v, dict) and isinstance(conf.get(k), dict) else v
     return conf
@@ -47,7 +63,7 @@ def train_loop(loop_cfg: dict) -> None:
     from raypai.train.config import PretrainConfig
     from raypai.train.data import BlockOrder, Prefetcher, TokenShards
     from raypai.train.metrics import StragglerDetector, mfu
-    from raypai.train.model import build_model, measure_peak_flops
+    from raypai.train.model import build_model, local_param_count, measure_peak_flops
     from raypai.train.schedule import lr_multiplier
 
     deepspeed = import_deepspeed()
@@ -68,7 +84,10 @@ def train_loop(loop_cfg: dict) -> None:
     train = TokenShards(loop_cfg["shards"], "train")
     eval_tokens = _eval_blocks(TokenShards(loop_cfg["shards"], "eval"), cfg, rank, world)
     seq_len = train.block_size
-    model = build_model(cfg.model, plan["vocab_size"], pad_id=plan["pad_id"], eos_id=plan["eos_id"])
+    conf = ds_config(cfg)
+    # DeepSpeed adopts the process group Ray Train set up (zero.Init, at ZeRO-3, needs it before the model)
+    deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo", dist_init_required=False)
+    model = build_model(cfg.model, plan["vocab_size"], pad_id=plan["pad_id"], eos_id=plan["eos_id"], ds_config=conf)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -76,7 +95,6 @@ def train_loop(loop_cfg: dict) -> None:
             s, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio
         ),
     )
-    conf = ds_config(cfg)
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips, so the norm is known (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf, dist_init_required=False
@@ -84,7 +102,10 @@ def train_loop(loop_cfg: dict) -> None:
     order = BlockOrder(len(train), cfg.seed)
 
     start_step, finished = 0, None
-    if (ckpt := ray.train.get_checkpoint()) is not None:
+    ckpt = ray.train.get_checkpoint()  # this run's latest (a restarted worker group or driver)
+    if ckpt is None:
+        ckpt = loop_cfg.get("resume_from")  # else an earlier run's (`resume_from`), if any
+    if ckpt is not None:
         start_step, finished = checkpoint.restore(engine, ckpt, rank)
         if rank == 0:
             print(f"[raypai.train] resumed from checkpoint at step {start_step}", flush=True)
@@ -174,7 +195,7 @@ def train_loop(loop_cfg: dict) -> None:
     if saver is not None:  # where the asynchronous stall went: waiting on a write, snapshot copies, polls, reports
         final.update({f"checkpoint_stall_{part}_s": v for part, v in saver.stall.items()})
         final["checkpoint_snapshot_buffer_mb"] = saver.buffers.nbytes / 2**20
-    faults.record_memory(rank, rss_at_start)
+    faults.record_memory(rank, rss_at_start, param_elements=local_param_count(engine.module))
     checkpoint.save(engine, final, next_step=cfg.steps, rank=rank, final=True)
 
 

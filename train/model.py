@@ -16,13 +16,35 @@ WEIGHT_FILES = (
 
 
 def build_model(
-    cfg: ModelConfig, vocab_size: int, pad_id: int | None = None, eos_id: int | None = None, *, weights: bool = True
+    cfg: ModelConfig,
+    vocab_size: int,
+    pad_id: int | None = None,
+    eos_id: int | None = None,
+    *,
+    weights: bool = True,
+    ds_config: dict | None = None,
 ):
     """A `LlamaForCausalLM` from the config, or the checkpoint at `cfg.init_from`.
 
     `weights=False`: the architecture only, on PyTorch's meta device (no memory allocated, no random
     init, no weights read), which is all the driver's plan needs to count parameters and read the
-    shape; building a 1B-parameter model for real would cost it seconds and 4 GB per run."""
+    shape; building a 1B-parameter model for real would cost it seconds and 4 GB per run.
+    `ds_config`: a worker's DeepSpeed config; at ZeRO stage 3 the model is built (or loaded) under
+    `deepspeed.zero.Init` through transformers' DeepSpeed integration, so this process only ever holds
+    its own partition of each weight (and one module's whole weights while they are initialised), never
+    the whole model. Every rank must call it then, in the process group DeepSpeed has adopted."""
+    if weights and ds_config is not None and (ds_config.get("zero_optimization") or {}).get("stage") == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(ds_config)  # while it lives, from_config/from_pretrained build under zero.Init
+        try:
+            return _build(cfg, vocab_size, pad_id, eos_id, weights=True, zero3=True)
+        finally:
+            del keep
+    return _build(cfg, vocab_size, pad_id, eos_id, weights=weights, zero3=False)
+
+
+def _build(cfg: ModelConfig, vocab_size: int, pad_id: int | None, eos_id: int | None, *, weights: bool, zero3: bool):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -59,10 +81,30 @@ def build_model(
         eos_token_id=eos_id,
         bos_token_id=eos_id,
     )
-    if weights:
-        return LlamaForCausalLM(hf)
-    with torch.device("meta"):
-        return LlamaForCausalLM(hf)
+    if not weights:
+        with torch.device("meta"):
+            return LlamaForCausalLM(hf)
+    if zero3:
+        return AutoModelForCausalLM.from_config(hf)  # under zero.Init, initialised module by module on rank 0
+    # The same draws from the seed as the ZeRO-3 build above: transformers skips torch's default init
+    # there (the model's own `_init_weights` overwrites it anyway), so it is skipped here too, and the
+    # initial weights of a run do not depend on its ZeRO stage.
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = LlamaForCausalLM(hf)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def local_param_count(model) -> int:
+    """Parameter elements this process holds (a tied matrix counts once). At ZeRO-3: its own
+    partitions (`ds_tensor`, padded to an equal share per rank) plus whatever whole weights are
+    present (`p.data` is empty once partitioned, whole for a gathered or persistent parameter)."""
+    return sum(
+        p.ds_tensor.numel() + p.data.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters()
+    )
 
 
 def param_count(model) -> int:

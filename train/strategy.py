@@ -3,8 +3,8 @@
 Model states (Rajbhandari et al. 2020, ZeRO §3, Fig. 1), Ψ parameters, N data-parallel workers:
 weights wΨ, gradients gΨ, optimizer states KΨ bytes. Mixed precision (bf16 on GPU): w = g = 2,
 K = 12 (fp32 master weights, Adam m and v). fp32 on CPU: w = g = 4, K = 8 (Adam m and v), plus the
-fp32 partition DeepSpeed's ZeRO-1/2 optimizer keeps (4Ψ/N). ZeRO-1 divides K by N, ZeRO-2 also g,
-ZeRO-3 also w.
+fp32 partition DeepSpeed's ZeRO-1/2 optimizer keeps (4Ψ/N; its ZeRO-3 optimizer steps fp32
+partitions in place, no copy). ZeRO-1 divides K by N, ZeRO-2 also g, ZeRO-3 also w.
 Activations per layer ≈ s·b·h·(34 + 5·a·s/h) bytes in 16-bit without recomputation (Korthikanti
 et al. 2022, eq. 2), doubled in fp32; plus the logits and their gradient, 2·b·s·V fp32 values.
 """
@@ -124,12 +124,12 @@ def choose(
 
     Larger micro-batches keep the matmuls efficient, while ZeRO-1/2 cost no extra communication
     over plain data parallelism (ZeRO §7: reduce-scatter + all-gather = one all-reduce's volume),
-    so a higher stage 1/2 is preferred to a smaller micro-batch. ZeRO-3 moves 1.5× the data and is
-    tried last (GPU only: DeepSpeed does not test it on CPU/gloo)."""
+    so a higher stage 1/2 is preferred to a smaller micro-batch. ZeRO-3 moves 1.5× the data (it
+    gathers every module's weights in the forward and again in the backward) and is tried last, on
+    GPUs and CPUs alike."""
     target = cfg.micro_batch * cfg.grad_accum
     candidates = [(stage, mb) for mb in _micro_batches(target) for stage in (0, 1, 2)]
-    if cfg.use_gpu:
-        candidates += [(3, mb) for mb in _micro_batches(target)]
+    candidates += [(3, mb) for mb in _micro_batches(target)]
     for stage, mb in candidates:
         est = estimate(n_params, cfg, seq_len, stage, mb, shape)
         if est.total_gb <= cfg.memory_budget_gb:

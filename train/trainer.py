@@ -188,6 +188,9 @@ def pretrain(
             "shards": shards,
             "storage": (fs, run_dir),
             "faults": faults,
+            # the loop's starting point when this run has no checkpoint of its own yet (Ray Train v2
+            # refuses TorchTrainer's `resume_from_checkpoint`: its migration passes it this way)
+            "resume_from": resume_ckpt,
         },
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
@@ -202,7 +205,6 @@ def pretrain(
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         ),
-        resume_from_checkpoint=resume_ckpt,
     )
     try:
         with _controller_poll_interval():

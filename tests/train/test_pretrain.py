@@ -1,7 +1,8 @@
 """Pretraining on real Ray Train + DeepSpeed (CPU, gloo, fp32) with a tiny Llama on generated shards.
 
-One uninterrupted 40-step run per ZeRO stage (module fixture) is the reference the other tests
-compare against: learning, export, equal loss curves, and the exact data order after failures.
+One uninterrupted 40-step run per ZeRO stage, 0 to 3 (module fixture), is the reference the other
+tests compare against: learning, export, equal loss curves, sharded weights at ZeRO-3, and the
+exact data order after failures.
 They train on a token set over 4 × the size of Ray's object store (`ray_train` starts Ray with
 the smallest one allowed): the workers stream their blocks from the shard files.
 """
@@ -15,7 +16,7 @@ from raypai.errors import ConfigError, TrainError
 from raypai.train import ModelConfig, PretrainConfig, latest_checkpoint, plan, pretrain
 from raypai.train._faults import ENV as FAULTS_ENV
 from raypai.train._faults import Faults
-from raypai.train.checkpoint import checkpoint_from_path
+from raypai.train.checkpoint import checkpoint_from_path, dir_name
 from raypai.train.synthetic import write_token_shards
 
 from .conftest import OBJECT_STORE_BYTES, FileLogger, make_shards, make_tokenizer, peak_rss_growth
@@ -71,7 +72,7 @@ def reference(ray_train, big_shards, tokenizer_dir, tmp_path_factory):
     folder, _ = big_shards
     out = {}
     with pytest.MonkeyPatch.context() as mp:
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             tmp = tmp_path_factory.mktemp(f"zero{stage}")
             (tmp / "trace").mkdir()
             mp.setenv(FAULTS_ENV, Faults(trace_dir=str(tmp / "trace")).to_env())  # record the blocks read
@@ -91,6 +92,7 @@ def reference(ray_train, big_shards, tokenizer_dir, tmp_path_factory):
                 "trace": _trace(tmp / "trace"),
                 "model": tmp / "model",
                 "store": tmp / "store",
+                "memory": [json.loads((tmp / "trace" / f"memory-rank{r}.json").read_text()) for r in (0, 1)],
             }
     return out
 
@@ -170,19 +172,71 @@ def test_a_finished_run_called_again_starts_no_workers(reference, big_shards, to
     assert (tmp_path / "model" / "model.safetensors").exists()
 
 
-def test_zero_stages_0_1_2_give_the_same_loss_curve(reference):
-    curves = {s: [r["loss"] for r in reference[s]["rows"] if "loss" in r] for s in (0, 1, 2)}
-    for stage in (0, 1):
+def test_zero_stages_0_to_3_give_the_same_loss_curve(reference):
+    """Same seed, same initial weights at every stage (ZeRO-3's are built under zero.Init)."""
+    curves = {s: [r["loss"] for r in reference[s]["rows"] if "loss" in r] for s in (0, 1, 2, 3)}
+    for stage in (0, 1, 3):
         # same seed, data and maths; only the reduction order differs (all-reduce vs reduce-scatter)
         assert curves[stage][:10] == pytest.approx(curves[2][:10], rel=2e-3), stage
         assert curves[stage] == pytest.approx(curves[2], rel=5e-2), stage
         assert reference[stage]["trace"]["blocks"] == reference[2]["trace"]["blocks"]
     # the gradient norm is reported at every stage (DeepSpeed keeps none at ZeRO 0 in fp32: raypai
     # clips there itself, raypai.train.clipping) and is the same global norm, before clipping
-    norms = {s: [r["grad_norm"] for r in reference[s]["rows"] if "grad_norm" in r] for s in (0, 1, 2)}
+    norms = {s: [r["grad_norm"] for r in reference[s]["rows"] if "grad_norm" in r] for s in (0, 1, 2, 3)}
     assert len(norms[2]) == len(curves[2]) and min(norms[2]) > 0
-    for stage in (0, 1):
+    for stage in (0, 1, 3):
         assert norms[stage][:10] == pytest.approx(norms[2][:10], rel=2e-2), stage
+
+
+def test_two_worker_zero3_shards_the_weights_exports_them_and_resumes(reference, big_shards, tokenizer_dir, tmp_path):
+    """ZeRO-3 on CPU workers. Each of the 2 workers holds half of the parameters, measured inside
+    the workers after their last step and evaluation (their partitions plus any weight still
+    gathered: with DeepSpeed's default prefetch and reuse distance the whole model stayed gathered
+    there; at ZeRO-2 each holds all). The run learns; the HF export, gathered from the shards,
+    loads in plain transformers with the trained weights (DeepSpeed's offline `zero_to_fp32`
+    rebuilds them from the final checkpoint's partitions); and a run resumed from a ZeRO-3
+    checkpoint ends where the uninterrupted one did."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    folder, manifest = big_shards
+    ref = reference[3]
+    n_params = ref["result"]["info"]["n_params"]
+    held = [m["param_elements"] for m in ref["memory"]]
+    assert all(n_params / 2 <= h <= n_params / 2 + 64 for h in held), (held, n_params)  # + padding to equal shares
+    assert [m["param_elements"] for m in reference[2]["memory"]] == [n_params, n_params]
+    metrics = ref["result"]["metrics"]
+    assert ref["result"]["info"]["zero_stage"] == 3
+    assert metrics["eval_loss"] < 0.5 * manifest["unigram_entropy_nats"], metrics
+    losses = [r["loss"] for r in ref["rows"] if "loss" in r]
+    assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0]
+
+    exported = AutoModelForCausalLM.from_pretrained(ref["model"])
+    trained = AutoModelForCausalLM.from_config(exported.config)
+    state = get_fp32_state_dict_from_zero_checkpoint(ref["result"]["checkpoint_path"], tag="state")
+    assert sum(v.numel() for k, v in state.items() if k != "lm_head.weight") == n_params  # every shard joined
+    trained.load_state_dict(state)
+    x = torch.arange(2, 34).reshape(2, 16)  # (B, T) token ids
+    with torch.no_grad():
+        logits = exported(x).logits
+        assert torch.equal(logits, trained(x).logits)
+        at_zero2 = AutoModelForCausalLM.from_pretrained(reference[2]["model"])(x).logits
+    assert torch.allclose(logits, at_zero2, atol=1e-3)  # the same training, only reductions in another order
+
+    resume_at = ref["store"] / "zero3" / dir_name(STEPS - EVERY)
+    res = pretrain(
+        folder,
+        tokenizer_dir,
+        tmp_path / "model",
+        _cfg(zero_stage=3, resume_from=str(resume_at)),
+        name="zero3-resumed",
+        storage_path=tmp_path / "store",
+    )
+    assert res["metrics"]["step"] == STEPS and res["metrics"]["checkpoints"] == 0  # 8 steps, not 40 from scratch
+    # weights, optimizer partitions, lr and RNG restored: the run ends where the uninterrupted one did
+    assert res["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4)
+    assert res["metrics"]["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
 
 
 def _keys(bucket: str, prefix: str) -> set[str]:
