@@ -24,20 +24,24 @@ class TokenCheck:
 
     def __call__(self, request: Request, scope: str) -> str:
         """For synchronous handlers (FastAPI runs them in its thread pool)."""
-        token = self._token(request, scope)
+        token = self.token_of(request.headers.get("authorization", ""), scope)
         return self._verdict(self._lookup(token), scope)
 
     async def check(self, request: Request, scope: str) -> str:
-        """For async handlers: a cache miss queries the database in a worker thread, so the event
-        loop (every other request of this replica) does not wait on it."""
-        token = self._token(request, scope)
+        return await self.check_header(request.headers.get("authorization", ""), scope)
+
+    async def check_header(self, header: str, scope: str) -> str:
+        """The token's name, from an `Authorization` header value. For async code: a cache miss queries
+        the database in a worker thread, so the event loop (every other request of this replica) does
+        not wait on it."""
+        token = self.token_of(header, scope)
         hit = self._cached(token)
         rec = hit[0] if hit is not None else await asyncio.to_thread(self._lookup, token)
         return self._verdict(rec, scope)
 
     @staticmethod
-    def _token(request: Request, scope: str) -> str:
-        header = request.headers.get("authorization", "")
+    def token_of(header: str, scope: str) -> str:
+        """The bearer token in an `Authorization` header value; 401 when there is none."""
         if not header.lower().startswith("bearer ") or not header[7:].strip():
             raise APIError(
                 401,

@@ -14,6 +14,7 @@ from ray import serve
 from raypai.deployment import DEFAULT_ALIAS, DEFAULTS, Batching, DeploymentSpec
 from raypai.errors import ConfigError, DeployError, DeploymentConflict, NotFoundError
 from raypai.serving.canary import CanaryPolicy
+from raypai.serving.limits import Limits
 from raypai.serving.model_server import ModelServer
 from raypai.serving.router import Router, app_name
 from raypai.settings import Settings
@@ -62,8 +63,16 @@ def _check_port_free(port: int) -> None:
 
 
 class Controller:
-    def __init__(self, settings: Settings, store: MetadataStore | None = None, tracker: Tracker | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        store: MetadataStore | None = None,
+        tracker: Tracker | None = None,
+        limits: Limits | None = None,
+    ):
         self.settings = settings
+        # the router's limits; RAYPAI_SERVE_MAX_BODY_BYTES etc. (raypai.serving.limits)
+        self.limits = limits if limits is not None else Limits.from_env(os.environ)
         self.store = store or MetadataStore(settings.database_url)
         self.tracker = tracker or Tracker(settings.mlflow_tracking_uri)
 
@@ -76,7 +85,9 @@ class Controller:
         serve.start(http_options={"host": self.settings.serve_host, "port": serve_port(self.settings)})
         apps = serve.status().applications
         if ROUTER_APP not in apps:
-            serve.run(Router.bind(self.settings.database_url), name=ROUTER_APP, route_prefix="/", blocking=False)
+            serve.run(
+                Router.bind(self.settings.database_url, self.limits), name=ROUTER_APP, route_prefix="/", blocking=False
+            )
 
     def _run_version(self, name: str, spec: DeploymentSpec, version: int) -> None:
         opts = {"name": "ModelServer", "ray_actor_options": {"num_cpus": spec.cpus, "num_gpus": spec.gpus}}

@@ -17,10 +17,18 @@ from raypai.serving import auth
 from raypai.serving.canary import CanaryPolicy, Windows, judge
 from raypai.serving.errors import APIError, PromptError, install
 from raypai.serving.generation import GenRequest, GenResult
+from raypai.serving.limits import InFlight, Limits, RequestGuard, check_fields
 from raypai.serving.schemas import ChatRequest, CompletionRequest
+
+
+def _replica():
+    """The Router instance serving this request (Serve's replica context holds it)."""
+    return serve.get_replica_context().servable_object
+
 
 app = FastAPI(title="raypai OpenAI-compatible API", version="1")
 install(app)
+app.add_middleware(RequestGuard, owner=_replica)  # token and size from the headers, before the body is read
 VERSION_HEADER = "x-raypai-model-version"
 
 
@@ -77,8 +85,11 @@ async def _sse(gen, rid: str, model: str, served: str, chat: bool):
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=256)
 @serve.ingress(app)
 class Router:
-    def __init__(self, database_url: str):
+    def __init__(self, database_url: str, limits: Limits = Limits()):
         from raypai.store import MetadataStore
+
+        self.limits = limits
+        self.in_flight = InFlight()  # requests in flight per token (RequestGuard counts them)
 
         self.store = MetadataStore(database_url, migrate_schema=False)
         self.rng = random.Random()
@@ -134,11 +145,13 @@ class Router:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         await self.auth.check(request, "infer")
+        check_fields(body, self.limits)
         return await self._serve(body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest, request: Request):
         await self.auth.check(request, "infer")
+        check_fields(body, self.limits)
         return await self._serve(body, chat=True)
 
     async def _serve(self, body, chat: bool):

@@ -34,11 +34,11 @@ class _Sampling(BaseModel):
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)[:4]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)  # count checked by raypai.serving.limits
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(max_length=100_000)
+    prompt: str  # length: Limits.max_prompt_chars (raypai.serving.limits)
 
 
 class ChatRequest(_Sampling):
