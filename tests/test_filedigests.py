@@ -192,3 +192,28 @@ def test_reexported_weights_in_the_same_folder_make_a_new_model_version(raypai_h
     assert again["import_model"].metrics["registered_version"] == 2
     assert again.result.digest == digest_dir(folder)[0] != first.result.digest
     assert _show_reasons(again.run_id)["import_model"].startswith("cache miss: exported changed: sha256")
+
+
+@step(cpus=0.25)
+def read_notes(ctx: StepContext, notes: str) -> dict:
+    """`notes` is a plain string to the key (not declared a path): the step registers what it reads."""
+    ctx.register_source(notes)
+    return {"lines": len(open(notes).read().splitlines())}
+
+
+@pipeline(name="notes")
+def notes_pipe(notes: str):
+    return read_notes(notes=notes)
+
+
+def test_a_hit_counts_only_while_the_sources_its_step_registered_hold_their_digest(raypai_home, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a\nb\nc\n")
+    first = Runner(raypai_home).run(notes_pipe.build(notes=str(notes)))
+    same = Runner(raypai_home).run(notes_pipe.build(notes=str(notes)))
+    assert first.result == {"lines": 3} and same["read_notes"].state == "cached"  # negative: unchanged
+    notes.write_text("a\n")
+    edited = Runner(raypai_home).run(notes_pipe.build(notes=str(notes)))
+    assert edited["read_notes"].state == "succeeded" and edited.result == {"lines": 1}
+    reason = _show_reasons(edited.run_id)["read_notes"]
+    assert f"the source it read, {notes}, is gone or changed" in reason, reason

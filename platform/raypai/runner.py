@@ -296,6 +296,13 @@ class Runner:
                 f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
                 "outputs are gone from the artifact store (or its raw source moved or changed)"
             )
+        # the raw files it registered while it ran (ctx.register_source) must still hold what it read
+        for art in self.store.inputs_of(src["id"]).values():
+            if art.kind == "source" and not _present(self.artifacts, art, self.file_digests):
+                return None, (
+                    f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but the source "
+                    f"it read, {art.uri}, is gone or changed (it held sha256 {art.digest[:12]}…)"
+                )
         if check is not None:
             stale = check((src.get("result") or {}).get("value"), self.store)
             if stale:
