@@ -2,25 +2,37 @@
 
 Ray Serve 2.60 streams a request's body eagerly: the HTTP proxy reads it from the socket into an
 unbounded queue while the request lives, and the replica pulls that queue in a background task
-whether or not the app calls `receive()`. Neither stops until the app answers. So the router answers
-a missing or invalid token, or a too-large `Content-Length`, from the headers alone, before the
-FastAPI app (which parses the JSON) runs: the body stops flowing a few milliseconds after it starts.
-A body without `Content-Length` (chunked) is counted while it is read and refused past the cap.
+whether or not the app calls `receive()`. Neither stops until the app answers. Two guards:
+
+- RequestGuard, in the router replica (always on): a missing or invalid token, a too-large
+  `Content-Length`, or a key past its concurrency, is answered from the headers alone, before the
+  FastAPI app (which parses the JSON) runs: the body stops flowing milliseconds after it starts. A
+  body without `Content-Length` (chunked) is counted as the app reads it and refused past the cap,
+  but what the proxy and the replica pulled meanwhile is already in their memory.
+- ProxyGuard, in Serve's HTTP proxy, the first process that receives a request (on when the Ray nodes
+  start with RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=raypai.serving.limits.proxy_middlewares,
+  Serve's only proxy hook since `http_options.middlewares` was removed): a missing token or a
+  too-large `Content-Length` never leaves the proxy, and a chunked body is cut at the cap before it
+  enters the proxy's queue. It has no database: an invalid token is the router's to refuse.
+
 The per-field limits are checked after parsing (the body is already bounded by then).
 
-Settings (environment of the process that starts Serve, e.g. `raypai server`):
+Settings (environment of the process that starts Serve, e.g. `raypai server`; the proxy reads
+RAYPAI_SERVE_MAX_BODY_BYTES from its node's environment):
     RAYPAI_SERVE_MAX_BODY_BYTES=4194304 RAYPAI_SERVE_MAX_CONCURRENT_PER_KEY=64 raypai server
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from starlette.datastructures import Headers
 
 from raypai.errors import ConfigError
+from raypai.serving.auth import TokenCheck
 from raypai.serving.errors import APIError, error_body
 
 
@@ -129,11 +141,7 @@ class RequestGuard:
         limits: Limits = owner.limits
         headers = Headers(scope=scope)
         try:
-            size = headers.get("content-length")
-            # a missing token is refused before the size, an unknown one after it (that costs a lookup)
-            owner.auth.token_of(headers.get("authorization", ""), "infer")
-            if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-                raise too_large(limits.max_body_bytes)
+            _check_headers(headers, limits.max_body_bytes)  # a lookup only for a token worth one
             key = await owner.auth.check_header(headers.get("authorization", ""), "infer")
             owner.in_flight.enter(key, limits.max_concurrent_per_key)
         except APIError as exc:
@@ -142,6 +150,59 @@ class RequestGuard:
             await self.app(scope, _counted(receive, limits.max_body_bytes), send)
         finally:
             owner.in_flight.leave(key)
+
+
+class ProxyGuard:
+    """Pure ASGI middleware around Serve's HTTP proxy app, for every `/v1/` request: a missing token
+    (401) or a `Content-Length` over the cap (413) is answered from the headers; a body past the cap
+    is cut there: the proxy is told the client left (so it stops reading, cancels the replica's call
+    and sends nothing), and the 413 is sent here unless the router already answered."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.cap = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        try:
+            _check_headers(Headers(scope=scope), self.cap)
+        except APIError as exc:
+            return await _answer(send, exc)
+        seen, over, started = 0, False, False
+
+        async def counted():
+            nonlocal seen, over
+            message = {"type": "http.disconnect"} if over else await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.cap:
+                    over, message = True, {"type": "http.disconnect"}
+            return message
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, counted, tracked)
+        if over and not started:
+            await _answer(send, too_large(self.cap))
+
+
+def proxy_middlewares() -> list:
+    """Serve's proxy callback: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=raypai.serving.limits.proxy_middlewares
+    in the environment of every Ray node (`ray start`, the KubeRay pod spec) before Serve starts."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(ProxyGuard, max_body_bytes=Limits.from_env(os.environ).max_body_bytes)]
+
+
+def _check_headers(headers: Headers, cap: int) -> None:
+    """A missing bearer token (401), then a declared size over `cap` (413), from the headers alone."""
+    TokenCheck.token_of(headers.get("authorization", ""), "infer")
+    size = headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > cap):
+        raise too_large(cap)
 
 
 def _counted(receive, cap: int):

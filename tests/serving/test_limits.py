@@ -2,7 +2,9 @@
 headers before the body is read, each field limit answered with its status and its name, the
 concurrency per key, and valid requests still answered. One Ray + Serve + deployment for the module."""
 
+import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -21,6 +23,7 @@ from raypai.tracking import Tracker
 BASE = f"http://127.0.0.1:{serve_port()}"
 LIMITS = Limits(max_concurrent_per_key=2)  # the others at their defaults
 HUGE = 200 * 2**20  # the issue's attack: a 200 MB body
+PROXY_HOOK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,12 @@ def stack(tmp_path_factory, tiny_model_dir):
     version = tracker.register_model(tiny_model_dir, "tiny")
     store = MetadataStore(settings.database_url)
     tokens = {"infer": store.create_token("client", ["infer"]), "other": store.create_token("other", ["infer"])}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Serve's proxy takes its callback from its node's environment, which a local Ray takes from here
+    os.environ[PROXY_HOOK] = "raypai.serving.limits.proxy_middlewares"
+    try:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    finally:
+        del os.environ[PROXY_HOOK]
     ctl = Controller(settings, store=store, tracker=tracker, limits=LIMITS)
     ctl.create("lim", "tiny", version)
     yield {"tokens": tokens, "store": store}
@@ -79,13 +87,16 @@ def _declared_only(path: str, headers: dict, timeout: float = 20) -> tuple[int, 
     return _status(data)
 
 
-def _upload(path: str, headers: dict, total: int) -> tuple[int, dict, int]:
+def _upload(path: str, headers: dict, total: int, chunked: bool = False) -> tuple[int, dict, int]:
     """POST `total` bytes as fast as the socket takes them while reading the answer; returns the status,
-    the error body and how many body bytes the server accepted before it answered and closed."""
+    the error body and how many body bytes the server accepted before it answered and closed.
+    `chunked`: no Content-Length, the body in 1 MiB chunks (Transfer-Encoding: chunked)."""
     sent, answer = 0, b""
     with socket.create_connection(("127.0.0.1", serve_port()), timeout=30) as s:
-        s.sendall(_head(path, headers))
+        s.sendall(_head(path, {**headers, "Transfer-Encoding": "chunked"} if chunked else headers))
         chunk = b"x" * 2**20
+        if chunked:
+            chunk = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
         s.settimeout(0.05)
         while sent < total:
             try:
@@ -165,16 +176,13 @@ def test_an_oversized_body_is_refused_from_its_headers_before_it_is_read(stack):
 def test_a_chunked_body_is_counted_and_refused_past_the_cap(stack):
     """No Content-Length to refuse from: the router counts the bytes as it reads them."""
     procs = {"router": _process("raypai-router"), "proxy": _process("ProxyActor")}
-    piece = b'{"model": "lim", "prompt": "' + b"a" * (2**20 - 30)
-
-    def chunks():
-        for _ in range(12):  # 12 MiB, three times the cap
-            yield piece
-
-    with PeakRSS(procs) as rss:
-        r = httpx.post(BASE + "/v1/completions", content=chunks(), headers=_auth(stack), timeout=60)
-    print(json.dumps({"chunked_12MiB": {"status": r.status_code, **rss.growth_mb()}}))
-    assert r.status_code == 413 and "RAYPAI_SERVE_MAX_BODY_BYTES" in r.json()["error"]["message"], r.text
+    with PeakRSS(procs) as rss:  # 64 MiB, 16 times the cap
+        status, body, sent = _upload("/v1/completions", _auth(stack), 64 * 2**20, chunked=True)
+    growth = rss.growth_mb()
+    print(json.dumps({"chunked_64MiB": {"status": status, "accepted_mb": round(sent / 2**20, 1), **growth}}))
+    assert status == 413 and "RAYPAI_SERVE_MAX_BODY_BYTES" in body["error"]["message"], body
+    assert sent < 32 * 2**20, f"the server read {sent} bytes of a body past its cap"
+    assert growth["proxy"] <= 24 and growth["router"] <= 24, growth  # the cap (4 MiB) and its copies, not 64 MiB
 
 
 @pytest.mark.parametrize(
@@ -267,3 +275,55 @@ def test_concurrency_per_key_answers_429_with_retry_after(stack):
     while (r := httpx.post(BASE + "/v1/completions", json=body, headers=_auth(stack), timeout=60)).status_code != 200:
         assert time.time() < deadline, f"the slots were not freed: {r.status_code} {r.text}"
         time.sleep(0.1)
+
+
+class _Owner:
+    """What RequestGuard asks of the Router replica: a real TokenCheck on a SQLite store."""
+
+    def __init__(self, store, limits):
+        from raypai.serving.auth import TokenCheck
+        from raypai.serving.limits import InFlight
+
+        self.auth, self.limits, self.in_flight = TokenCheck(store), limits, InFlight()
+
+
+def _drive(app, headers: list[tuple[bytes, bytes]], body: bytes = b"{}") -> tuple[int, int]:
+    """One ASGI request through `app`: (status answered, bytes of body the app asked for)."""
+    asked, sent = [0], []
+
+    async def receive():
+        asked[0] += len(body)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers, "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], asked[0]
+
+
+def test_the_router_guard_answers_from_the_headers_without_receiving(tmp_path):
+    """RequestGuard alone (as where the proxy runs without raypai's callback): the refusals never call
+    `receive()`; a valid request reaches the app, which reads its body."""
+    from raypai.serving.limits import RequestGuard
+    from raypai.store import MetadataStore
+
+    store = MetadataStore(f"sqlite:///{tmp_path}/meta.db")
+    token = store.create_token("client", ["infer"])
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    owner = _Owner(store, Limits())
+    guard = RequestGuard(app, owner=lambda: owner)
+    good = (b"authorization", f"Bearer {token}".encode())
+    huge = (b"content-length", str(HUGE).encode())
+    assert _drive(guard, [huge]) == (401, 0)
+    assert _drive(guard, [huge, (b"authorization", b"Bearer nope")]) == (413, 0)
+    assert _drive(guard, [(b"content-length", b"2"), (b"authorization", b"Bearer nope")]) == (401, 0)
+    assert _drive(guard, [huge, good]) == (413, 0)
+    assert _drive(guard, [(b"content-length", b"2"), good]) == (200, 2)  # the negative control
+    assert not owner.in_flight.count  # every slot given back
