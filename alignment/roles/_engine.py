@@ -18,6 +18,7 @@ def engine_config(
     offload_optimizer: bool = False,
     ranks: int = 1,
     params: int | None = None,
+    use_gpu: bool = False,
 ) -> dict:
     """The DeepSpeed config of a trained role: a micro-batch of one "sample" per rank (the role hands
     the engine whole batches, their size is the objective's business), ZeRO `zero_stage`; `params`
@@ -30,6 +31,11 @@ def engine_config(
         # every parameter partitioned, however small (the default keeps those under 1e5 elements whole on
         # every rank: a toy model's weights would not be sharded at all); gathered per module in forward
         zero["stage3_param_persistence_threshold"] = 0
+        if not use_gpu:
+            # no prefetch and no reuse window on CPUs: with DeepSpeed's defaults a model under 5e7
+            # elements stays gathered whole on every rank from its forward to its backward, and there
+            # is no copy engine to overlap a prefetch with (the pretraining loop measured it: train/loop.py)
+            zero.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {

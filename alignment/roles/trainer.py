@@ -187,7 +187,13 @@ class Trainer(Sleeps):
             self._shared.stamp(0)
         # ZeRO-3 leaves each rank a shard of every weight: the whole size is DeepSpeed's `ds_numel`
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        conf = engine_config(zero_stage, offload_optimizer=offload_optimizer, ranks=self.ranks, params=self.n_params)
+        conf = engine_config(
+            zero_stage,
+            offload_optimizer=offload_optimizer,
+            ranks=self.ranks,
+            params=self.n_params,
+            use_gpu=self.device.type == "cuda",
+        )
         self.engine = make_engine(model, lr=lr, conf=conf, use_gpu=self.device.type == "cuda")
         self.held: dict = {}
         self._forward = _Forward(self)

@@ -203,6 +203,42 @@ def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_pa
     assert ran == {"t-grpo/policy-0", "t-grpo/rollout-0", "t-grpo/reward-0"}, ran
 
 
+def test_dpo_and_grpo_learn_with_a_two_rank_policy(ray_align, sft, sloppy_sft, tmp_path):
+    """The learning tests above with the policy as 2 ranks (gloo): DPO at ZeRO-2 with a 2-rank
+    reference, GRPO at ZeRO-3 (every sync gathers the sharded policy into the rollout replica)."""
+    dpo = run_dpo(
+        sft[0],
+        str(tmp_path / "dpo"),
+        pairs(TRAIN, 0, 1),
+        pairs(HELD, 7, 1),
+        DPOConfig(steps=25, lr=5e-4, beta=0.1, ranks=2, zero_stage=2, reference_ranks=2),
+        run_name="t-dpo-2r",
+    )
+    assert dpo["preference_accuracy_after"] > dpo["preference_accuracy_before"], dpo
+    assert dpo["margin_after"] > dpo["margin_before"] and dpo["ranks_policy"] == dpo["ranks_reference"] == 2
+    cfg = GRPOConfig(
+        steps=30,
+        prompts_per_step=16,
+        group_size=8,
+        lr=5e-4,
+        max_new_tokens=3,
+        eval_every=15,
+        ranks=2,
+        zero_stage=3,
+    )
+    g = run_grpo(
+        sloppy_sft,
+        str(tmp_path / "grpo"),
+        PROMPTS,
+        HELD_PROMPTS,
+        cfg,
+        run_name="t-grpo-2r",
+        rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"],
+    )
+    assert g["eval_reward_after"] > g["eval_reward_before"], g
+    assert g["ranks_policy"] == 2
+
+
 class UpdateOrder:
     """Watches the driver: each policy update it submits (`Trainer.update_on` with an `objective` of
     that class: GRPO, OnlineDPO, PPOPolicy) and the first `ray.get` that waits for it.

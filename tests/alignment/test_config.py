@@ -202,7 +202,7 @@ def test_the_parts_check_their_fields_in_every_config_and_keep_the_flat_api():
     ]
     for cls in (C.DPOConfig, C.GRPOConfig, C.PPOConfig):
         with pytest.raises(ConfigError) as err:
-            cls(max_new_tokens=0, temperature=-1, top_p=0, zero_stage=3)
+            cls(max_new_tokens=0, temperature=-1, top_p=0, zero_stage=4)
         assert len(err.value.problems) == 4, err.value.problems
         assert f"{cls.__name__}.max_new_tokens must be > 0 (got 0)" in str(err.value)
         assert cls().max_new_tokens == C.MAX_NEW_TOKENS  # the one default of the setting

@@ -126,7 +126,8 @@ def assert_exported(out: str, metrics: dict, base: str) -> None:
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter)).eval()
     ids = torch.tensor([[3, 17, 42, 99, 5, 8, 21]])
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=0)
+        # merged W + (α/r)·BA against W x + (α/r)·B(A x): the same function, rounded differently (float32)
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_lora_sft_learns_with_adapter_dropout_on_llama3(ray_align, base_of, tmp_path):
