@@ -27,8 +27,9 @@ Measured at the end of the last step, with every role still alive:
 - tensor bytes, inside each role's process (`actor.__ray_call__`, no role method added): parameters
   and buffers (by storage, so tied weights count once), gradients (one per trainable parameter:
   each update allocates them and drops them after the step, so they are counted, not observed),
-  the optimizer's state, and a LoRA rollout's kept copy of its targeted base weights
-  (`merge_base`, which `Rollout.load_weights` merges each sync's factors onto). A synchronous full
+  the optimizer's state, and what a LoRA rollout keeps between syncs (`merge_base`: the last
+  adapter factors of fp32 weights, a copy of the targeted base weights of lower precision;
+  `lora.merge_into`). A synchronous full
   GRPO replica's parameters are the trainer's own shared pages: counted once, on the trainer;
 - PSS (`/proc/<pid>/smaps_rollup`) of each role process minus that of an idle Ray actor of the same
   run, summed; `pss_anon_shmem_above_idle` is its anonymous + shared-memory part, which other
@@ -115,7 +116,10 @@ def role_tensors(role) -> dict:
         while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
             opt = opt.optimizer
         out["optimizer"] = nbytes(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-    out["merge_base"] = nbytes(getattr(role, "_lora_base", {}).values())
+    # what a LoRA replica keeps between syncs (`lora.merge_into`): the last factors (fp32), or a copy
+    # of the targeted base weights (lower precision)
+    kept = getattr(role, "_lora_base", {}).values()
+    out["merge_base"] = nbytes(x for v in kept for x in ([v] if isinstance(v, torch.Tensor) else list(v[0].values())))
     return out
 
 
