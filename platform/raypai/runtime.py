@@ -307,6 +307,7 @@ def _launch(
         "--max-worker-port=0",
     ]
     env = {**os.environ, **worker_env(settings), "RAY_AUTH_MODE": auth_mode, "RAYPAI_SERVE_PORT": str(ports["serve"])}
+    env.setdefault(*PROXY_CALLBACK)
     env.pop("RAY_ADDRESS", None)
     try:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -422,6 +423,12 @@ class RayInfo:
         return f"{where[self.kind]} at {self.address}{dash}; Serve port {self.serve_port}"
 
 
+# Serve's HTTP proxy refuses an unauthenticated or oversized `/v1/` request from its headers, before
+# the body is read (raypai.serving.limits.ProxyGuard); the proxy reads this from its node's environment,
+# so it is set where raypai starts a node (a local Ray, `raypai ray start`) unless the user set their own
+PROXY_CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "raypai.serving.limits.proxy_middlewares")
+
+
 def worker_env(settings: Settings) -> dict[str, str]:
     """Environment every Ray worker of raypai gets (settings + quiet, CPU-safe defaults)."""
     return {
@@ -473,6 +480,7 @@ def ensure_ray(
         if object_store_memory:
             kwargs["object_store_memory"] = object_store_memory
         _set_auth_mode(os.environ.get("RAY_AUTH_MODE", "token"))  # Ray's default, without its warning
+        os.environ.setdefault(*PROXY_CALLBACK)  # the local node's processes inherit this process's environment
     env["RAYPAI_SERVE_PORT"] = str(serve)
     try:
         ctx = ray.init(address=address, runtime_env={"env_vars": env}, **kwargs)
