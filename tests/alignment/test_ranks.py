@@ -155,3 +155,24 @@ def test_a_killed_rank_fails_the_run_in_time_and_the_rerun_resumes(ray8, tiny_mo
     assert resumed["eval_response_loss_after"] == pytest.approx(whole["eval_response_loss_after"], rel=1e-5)
     assert whole["eval_response_loss_after"] < 0.7 * whole["eval_response_loss_before"]  # and it learned
     assert whole["ranks_policy"] == 2
+
+
+def test_lora_on_two_ranks_updates_as_on_one_and_exports_the_merged_model(ray8, tiny_model, tmp_path):
+    """LoRA adapters trained by a 2-rank ZeRO-2 policy: the same adapters as one rank's (the base
+    untouched), and the export on rank 0 is the merged model plus the PEFT adapter."""
+    from peft import PeftModel
+
+    steps = batches(tiny_model, [6, 5])
+    cfg = dict(lr=1e-2, zero_stage=2, lora_r=4)
+    one, m1, _ = trained(tiny_model, SFTConfig(**cfg), steps, "lora-one")
+    two, m2, _ = trained(tiny_model, SFTConfig(**cfg, ranks=2), steps, "lora-two", tmp_path / "out")
+    assert set(one) == set(two) and all("lora_" in k for k in one["lora"])
+    same_steps(m1, m2)
+    zero = {k: torch.zeros_like(v) for k, v in one["lora"].items()}
+    assert off_by(one["lora"], two["lora"], zero) < 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / "out-adapter")).eval()
+    ids = torch.tensor([[3, 17, 42, 99, 5, 8, 21]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
