@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from ray import serve
 
+from raypai.config import parse_config
 from raypai.deployment import DEFAULT_ALIAS, DEFAULTS, Batching, DeploymentSpec
 from raypai.errors import ConfigError, DeployError, DeploymentConflict, NotFoundError
 from raypai.serving.canary import CanaryPolicy
@@ -156,13 +157,14 @@ class Controller:
             batching=Batching(max_batch_size, batch_wait_timeout_s),
         )
         self.start()
-        self.store.save_deployment(name, spec, "deploying")
+        # insert-or-fail: of two concurrent creates of `name`, the second gets DeploymentConflict (409)
+        rec = self.store.create_deployment(name, spec, "deploying")
         try:
             self._run_version(name, spec, v)
         except DeployError:
             self.store.save_deployment(name, spec, "failed")  # kept for inspection; DELETE removes it
             raise
-        return self._record(name, spec, "running")
+        return self._record(name, spec, "running", expected_row_version=rec.row_version)
 
     def update(
         self,
@@ -178,75 +180,94 @@ class Controller:
         autoscaling: dict | None = None,
     ) -> dict:
         """Start, resize, promote a canary; rescale. Promotion needs the router's latest verdict on the
-        canary to be `healthy` (raypai.serving.canary) unless `force`; a refusal says why."""
-        spec = self._get(name).spec
-        self._collect_orphans(name, spec)
-        if canary_policy is not None:
-            try:
-                spec = replace(spec, canary_policy=CanaryPolicy.from_spec(canary_policy).to_dict())
-            except ConfigError as exc:
-                raise DeployError(str(exc)) from None
-        if canary_version is not None or canary_alias is not None:
-            v = self._resolve(spec.model, canary_version, canary_alias)
-            if v == spec.version:
-                raise DeploymentConflict(f"version {v} is already the stable version of {name!r}")
-            self._run_version(name, spec, v)
-            spec = spec.with_canary(v, 10 if canary_percent is None else canary_percent)
-            # a new canary starts unjudged (an earlier verdict on the same version number is not about it)
-            self.store.record_canary_check(
-                name,
-                spec.version,
-                v,
-                "insufficient",
-                "canary started: no traffic measured yet",
-                {"policy": CanaryPolicy.from_spec(spec.canary_policy).to_dict()},
-            )
-        elif canary_percent is not None:
-            if spec.canary_version is None:
-                raise DeployError(f"{name!r} has no canary; start one with canary_version")
-            spec = replace(spec, canary_percent=canary_percent)
-        if replicas is not None or autoscaling is not None:
-            spec = replace(spec, replicas=replicas or spec.replicas, autoscaling=autoscaling)
-            for v in spec.versions():
+        canary to be `healthy` (raypai.serving.canary) unless `force`; a refusal says why.
+
+        Read, change, compare-and-swap: the desired state is written only if nobody (the router rolling
+        a canary back, another update) wrote it since it was read; otherwise the change is decided
+        again on the new state, so a canary rolled back meanwhile is never written back."""
+        policy = _canary_policy(canary_policy) if canary_policy is not None else None
+        for _attempt in range(_CAS_TRIES):
+            rec = self._get(name)
+            spec = rec.spec
+            self._collect_orphans(name, spec)
+            if policy is not None:
+                spec = replace(spec, canary_policy=policy)
+            if canary_version is not None or canary_alias is not None:
+                v = self._resolve(spec.model, canary_version, canary_alias)
+                if v == spec.version:
+                    raise DeploymentConflict(f"version {v} is already the stable version of {name!r}")
                 self._run_version(name, spec, v)
-        if promote:
-            if spec.canary_version is None:
-                raise DeployError(f"{name!r} has no canary to promote")
-            if not force:
-                check = self.store.latest_canary_check(name, spec.canary_version)
-                if check is None or check["decision"] != "healthy":
-                    why = check["reason"] if check else "no canary traffic has been measured yet"
-                    raise DeploymentConflict(
-                        f"promotion of v{spec.canary_version} refused: {why}. Send it traffic "
-                        "(canary_percent) until the verdict is healthy, or promote with force=true"
-                    )
-            old = spec.version
-            spec = spec.promoted()
-            self._save(name, spec)  # route to the new stable version before the old one goes
-            serve.delete(app_name(name, old))
-        return self._record(name, spec, "running")
+                spec = spec.with_canary(v, 10 if canary_percent is None else canary_percent)
+                # a new canary starts unjudged (an earlier verdict on the same version number is not about it)
+                self.store.record_canary_check(
+                    name,
+                    spec.version,
+                    v,
+                    "insufficient",
+                    "canary started: no traffic measured yet",
+                    {"policy": CanaryPolicy.from_spec(spec.canary_policy).to_dict()},
+                )
+            elif canary_percent is not None:
+                if spec.canary_version is None:
+                    raise DeployError(f"{name!r} has no canary; start one with canary_version")
+                spec = replace(spec, canary_percent=canary_percent)
+            if replicas is not None or autoscaling is not None:
+                spec = replace(spec, replicas=replicas or spec.replicas, autoscaling=autoscaling)
+                for v in spec.versions():
+                    self._run_version(name, spec, v)
+            old = None
+            if promote:
+                if spec.canary_version is None:
+                    raise DeployError(f"{name!r} has no canary to promote")
+                if not force:
+                    check = self.store.latest_canary_check(name, spec.canary_version)
+                    if check is None or check["decision"] != "healthy":
+                        why = check["reason"] if check else "no canary traffic has been measured yet"
+                        raise DeploymentConflict(
+                            f"promotion of v{spec.canary_version} refused: {why}. Send it traffic "
+                            "(canary_percent) until the verdict is healthy, or promote with force=true"
+                        )
+                old = spec.version
+                spec = spec.promoted()
+            try:
+                # route to the new stable version before the old one goes
+                out = self._record(name, spec, "running", expected_row_version=rec.row_version)
+            except DeploymentConflict:
+                _backoff(_attempt)  # changed since it was read (the router rolled the canary back?): decide again
+                continue
+            if old is not None:
+                serve.delete(app_name(name, old))
+            return out
+        raise DeploymentConflict(
+            f"deployment {name!r} kept changing while this update was applied ({_CAS_TRIES} tries); retry"
+        )
 
     def rollback(self, name: str) -> dict:
         """Drop the canary if there is one; otherwise go back to the previous stable version."""
-        spec = self._get(name).spec
-        self._collect_orphans(name, spec)
-        if spec.canary_version is not None:
-            canary = spec.canary_version
-            spec = spec.with_canary(None)
-            self._save(name, spec)
-            serve.delete(app_name(name, canary))
-        elif spec.previous_versions:
-            current = spec.version
-            spec = spec.rolled_back()
-            self._run_version(name, spec, spec.version)
-            self._save(name, spec)
-            serve.delete(app_name(name, current))
-        else:
-            raise DeployError(
-                f"{name!r} has neither a canary nor a previous version to roll back to; "
-                "deploy another version with a canary (`raypai deploy update NAME --canary-version N`)"
-            )
-        return self._record(name, spec, "running")
+        for _attempt in range(_CAS_TRIES):
+            rec = self._get(name)
+            spec = rec.spec
+            self._collect_orphans(name, spec)
+            if spec.canary_version is not None:
+                gone = spec.canary_version
+                spec = spec.with_canary(None)
+            elif spec.previous_versions:
+                gone = spec.version
+                spec = spec.rolled_back()
+                self._run_version(name, spec, spec.version)
+            else:
+                raise DeployError(
+                    f"{name!r} has neither a canary nor a previous version to roll back to; "
+                    "deploy another version with a canary (`raypai deploy update NAME --canary-version N`)"
+                )
+            try:
+                out = self._record(name, spec, "running", expected_row_version=rec.row_version)
+            except DeploymentConflict:
+                _backoff(_attempt)
+                continue
+            serve.delete(app_name(name, gone))
+            return out
+        raise DeploymentConflict(f"deployment {name!r} kept changing during the rollback ({_CAS_TRIES} tries); retry")
 
     def delete(self, name: str) -> None:
         spec = self._get(name).spec
@@ -307,11 +328,8 @@ class Controller:
             )
         return rec
 
-    def _save(self, name: str, spec: DeploymentSpec, state: str = "running"):
-        return self.store.save_deployment(name, spec, state)
-
-    def _record(self, name: str, spec: DeploymentSpec, state: str) -> dict:
-        rec = self._save(name, spec, state)
+    def _record(self, name: str, spec: DeploymentSpec, state: str, *, expected_row_version: int | None = None) -> dict:
+        rec = self.store.save_deployment(name, spec, state, expected_row_version=expected_row_version)
         return self._with_status(rec.name, rec.spec, rec.state, rec.history)
 
     def _with_status(self, name: str, spec: DeploymentSpec, state: str, history: list) -> dict:
@@ -329,6 +347,29 @@ class Controller:
             "history_length": len(history),
             "endpoint": f"http://127.0.0.1:{serve_port(self.settings)}/v1",
         }
+
+
+# Compare-and-swap attempts of one update/rollback before answering 409. A try is lost only to a
+# write that succeeded meanwhile, so this many writers at once can all get through.
+_CAS_TRIES = 10
+
+
+def _backoff(attempt: int) -> None:
+    """Jittered pause after a lost compare-and-swap, so the writers that collided spread out."""
+    import random
+    import time
+
+    time.sleep(random.uniform(0, min(0.2, 0.005 * 2**attempt)))
+
+
+def _canary_policy(value) -> dict:
+    """A `canary_policy` the caller sent, as the stored dict; DeployError (400) naming each bad field,
+    its value and the type or range it needs (a string where a number goes was a 500 before)."""
+    try:
+        policy = parse_config(CanaryPolicy, value, what="canary_policy")  # types and unknown fields
+        return CanaryPolicy.from_spec(policy.to_dict()).to_dict()  # ranges
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None
 
 
 def _status(app) -> str:

@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import and_, case, create_engine, event, func, select, text
+from sqlalchemy import and_, case, create_engine, event, func, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from raypai.artifacts import Artifact
 from raypai.deployment import DeploymentSpec
-from raypai.errors import NotFoundError, StoreError
+from raypai.errors import DeploymentConflict, NotFoundError, StoreError
 from raypai.store import models as m
 
 STATES = ("pending", "running", "succeeded", "failed", "cached", "skipped")
@@ -42,6 +42,7 @@ class DeploymentRecord:
     history: list
     created_at: object
     updated_at: object
+    row_version: int = 0  # compare-and-swap counter: pass it back as save_deployment(expected_row_version=...)
 
 
 def _redact(url: str) -> str:
@@ -422,24 +423,91 @@ class MetadataStore:
 
     # ---- deployments (desired state: raypai.deployment.DeploymentSpec, stored as its JSON) ---------
 
-    def save_deployment(self, name: str, spec: DeploymentSpec, state: str) -> DeploymentRecord:
-        if not isinstance(spec, DeploymentSpec):
-            raise TypeError(
-                f"save_deployment({name!r}) takes a raypai.deployment.DeploymentSpec, "
-                f"got {type(spec).__name__}; build one with DeploymentSpec(model=..., version=...)"
-            )
-        data = spec.to_dict()
-        with self.session() as s:
-            row = s.get(m.Deployment, name)
-            now = m.utcnow()
-            entry = {"at": now.isoformat(), "state": state, "spec": data}
-            if row is None:
-                row = m.Deployment(name=name, spec=data, state=state, history=[entry], created_at=now, updated_at=now)
+    def create_deployment(self, name: str, spec: DeploymentSpec, state: str) -> DeploymentRecord:
+        """Insert deployment `name`, or DeploymentConflict when it exists: the primary key decides, so
+        of two concurrent creates exactly one succeeds."""
+        data = _spec_data(name, spec)
+        now = m.utcnow()
+        try:
+            with self.session() as s:
+                row = m.Deployment(
+                    name=name,
+                    spec=data,
+                    state=state,
+                    history=[{"at": now.isoformat(), "state": state, "spec": data}],
+                    created_at=now,
+                    updated_at=now,
+                    row_version=1,
+                )
                 s.add(row)
-            else:
-                row.spec, row.state, row.updated_at = data, state, now
-                row.history = [*row.history, entry][-50:]
-            return _deployment(row)
+                s.flush()
+                return _deployment(row)
+        except IntegrityError:
+            raise DeploymentConflict(
+                f"deployment {name!r} already exists; change it with `raypai deploy update {name} ...` "
+                "or delete it first"
+            ) from None
+
+    def save_deployment(
+        self,
+        name: str,
+        spec: DeploymentSpec,
+        state: str,
+        *,
+        expected_row_version: int | None = None,
+        event: str | None = None,
+    ) -> DeploymentRecord:
+        """Write the desired state of `name` (created when missing and no version is expected).
+
+        With `expected_row_version` (the `row_version` of the record the caller read) the write is a
+        compare-and-swap: when another writer changed the deployment since, nothing is written and
+        DeploymentConflict is raised, so the caller re-reads and decides again."""
+        data = _spec_data(name, spec)
+        for _ in range(20):  # an unconditional save retries the swap it lost; a conditional one raises
+            with self.session() as s:
+                row = s.get(m.Deployment, name)
+                now = m.utcnow()
+                entry = {"at": now.isoformat(), "state": state, "spec": data, **({"event": event} if event else {})}
+                if row is None:
+                    if expected_row_version is not None:
+                        raise DeploymentConflict(f"deployment {name!r} was deleted while it was being changed")
+                    row = m.Deployment(
+                        name=name,
+                        spec=data,
+                        state=state,
+                        history=[entry],
+                        created_at=now,
+                        updated_at=now,
+                        row_version=1,
+                    )
+                    s.add(row)
+                    s.flush()
+                    return _deployment(row)
+                if expected_row_version is not None and row.row_version != expected_row_version:
+                    raise _changed(name, expected_row_version, row.row_version)
+                done = self._swap(s, row, spec=data, state=state, history=[*row.history, entry][-50:], now=now)
+                if done is not None:
+                    return done
+                if expected_row_version is not None:
+                    raise _changed(name, expected_row_version, None)
+        raise DeploymentConflict(f"deployment {name!r} keeps changing under this write; retry")
+
+    @staticmethod
+    def _swap(s: Session, row: m.Deployment, *, spec: dict, state: str, history: list, now) -> DeploymentRecord | None:
+        """UPDATE ... WHERE row_version = <the value read>: None when another writer got there first
+        (SQLite and PostgreSQL both evaluate the condition on the latest committed row)."""
+        read = row.row_version
+        n = s.execute(
+            update(m.Deployment)
+            .where(m.Deployment.name == row.name, m.Deployment.row_version == read)
+            .values(spec=spec, state=state, history=history, updated_at=now, row_version=read + 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if n != 1:
+            return None
+        return DeploymentRecord(
+            row.name, DeploymentSpec.from_dict(spec), state, list(history), row.created_at, now, read + 1
+        )
 
     def record_canary_check(
         self,
@@ -477,27 +545,24 @@ class MetadataStore:
 
     def rollback_canary(self, name: str, canary_version: int, reason: str) -> bool:
         """Take canary `canary_version` of `name` out of the desired state, if it is still the canary
-        (a concurrent promote or rollback wins); True when this call did it."""
-        with self.session() as s:
-            q = select(m.Deployment).where(m.Deployment.name == name)
-            if s.bind.dialect.name == "postgresql":
-                q = q.with_for_update()
-            row = s.scalars(q).first()
-            if row is None or DeploymentSpec.from_dict(row.spec).canary_version != canary_version:
-                return False
-            spec = DeploymentSpec.from_dict(row.spec).with_canary(None).to_dict()
-            now = m.utcnow()
-            row.spec, row.updated_at = spec, now
-            row.history = [
-                *row.history,
-                {
-                    "at": now.isoformat(),
-                    "state": row.state,
-                    "spec": spec,
-                    "event": f"canary v{canary_version} rolled back automatically: {reason}",
-                },
-            ][-50:]
-            return True
+        (a concurrent promote or rollback wins); True when this call did it. A compare-and-swap on
+        `row_version`, like every deployment write: an update that read the state before this
+        rollback cannot write the canary back."""
+        for _ in range(20):
+            with self.session() as s:
+                q = select(m.Deployment).where(m.Deployment.name == name)
+                if s.bind.dialect.name == "postgresql":
+                    q = q.with_for_update()
+                row = s.scalars(q).first()
+                if row is None or DeploymentSpec.from_dict(row.spec).canary_version != canary_version:
+                    return False
+                spec = DeploymentSpec.from_dict(row.spec).with_canary(None).to_dict()
+                now = m.utcnow()
+                event = f"canary v{canary_version} rolled back automatically: {reason}"
+                history = [*row.history, {"at": now.isoformat(), "state": row.state, "spec": spec, "event": event}]
+                if self._swap(s, row, spec=spec, state=row.state, history=history[-50:], now=now) is not None:
+                    return True
+        return False
 
     def get_deployment(self, name: str) -> DeploymentRecord | None:
         with self.session() as s:
@@ -564,7 +629,24 @@ def _recent_runs(s: Session, n: int = 5) -> str:
 
 def _deployment(r: m.Deployment) -> DeploymentRecord:
     return DeploymentRecord(
-        r.name, DeploymentSpec.from_dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at
+        r.name, DeploymentSpec.from_dict(r.spec), r.state, list(r.history), r.created_at, r.updated_at, r.row_version
+    )
+
+
+def _spec_data(name: str, spec: DeploymentSpec) -> dict:
+    if not isinstance(spec, DeploymentSpec):
+        raise TypeError(
+            f"save_deployment({name!r}) takes a raypai.deployment.DeploymentSpec, "
+            f"got {type(spec).__name__}; build one with DeploymentSpec(model=..., version=...)"
+        )
+    return spec.to_dict()
+
+
+def _changed(name: str, expected: int, found: int | None) -> DeploymentConflict:
+    now = f" (now {found})" if found is not None else ""
+    return DeploymentConflict(
+        f"deployment {name!r} changed while this change was being made (version {expected} was read{now}); "
+        "read it again (`raypai deploy get`) and retry"
     )
 
 

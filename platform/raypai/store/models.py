@@ -141,6 +141,9 @@ class Deployment(Base):
     history: Mapped[list] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # compare-and-swap counter: every write sets it to +1 where it still holds the value read
+    # (migration 0005; MetadataStore.save_deployment(expected_row_version=...))
+    row_version: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
 
 class CanaryCheck(Base):
