@@ -34,9 +34,13 @@ def _api(method: str, path: str, body: dict | None = None):
     import httpx
 
     from raypai.runtime import DEFAULT_PORTS, endpoint_url
+    from raypai.settings import check_token_destination
 
-    url = os.environ.get("RAYPAI_API_URL") or endpoint_url(_settings(), "api", DEFAULT_PORTS["api"])
+    settings, explicit = _settings(), os.environ.get("RAYPAI_API_URL")
+    url = explicit or endpoint_url(settings, "api", DEFAULT_PORTS["api"])
     token = os.environ.get("RAYPAI_TOKEN", "")
+    if token:  # a recorded address off this machine gets no token unless the user named or allowed it
+        check_token_destination(settings, url, explicit=bool(explicit))
     try:
         r = httpx.request(method, f"{url}{path}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=600)
     except httpx.ConnectError:

@@ -430,9 +430,14 @@ PROXY_CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "raypai.serving.l
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
-    """Environment every Ray worker of raypai gets (settings + quiet, CPU-safe defaults)."""
+    """Environment every Ray worker of raypai gets (settings + quiet, CPU-safe defaults). It holds no
+    password (Ray shows runtime_env variables in its dashboard and logs): a PostgreSQL password reaches
+    the workers, which share this machine, as PGPASSFILE, a 0600 file (raypai.credentials)."""
+    from raypai.credentials import worker_secret_env
+
     return {
         **settings.to_env(),
+        **worker_secret_env(settings),
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "RAY_USAGE_STATS_ENABLED": "0",

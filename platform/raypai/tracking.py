@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from raypai.artifacts import Artifact, default_cache_dir
+from raypai.credentials import redact_params, redact_url
 from raypai.errors import NotFoundError, StoreError
 
 # MLflow's telemetry is off in every process that talks to MLflow through raypai; the variables are
@@ -67,13 +68,14 @@ class RunLogger:
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
 
-        flat = _flatten(params)
+        # values under secret-looking names become ***, URLs lose their passwords (raypai.credentials)
+        flat = _flatten(redact_params(params))
         items = [Param(_key(k), str(v)[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def set_tags(self, tags: dict) -> None:
-        for k, v in tags.items():
+        for k, v in redact_params(tags).items():
             self.client.set_tag(self.run_id, k, str(v))
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
@@ -144,7 +146,9 @@ class Tracker:
             try:
                 self._c = _client(self.uri)
             except Exception as exc:  # noqa: BLE001 - MLflow raises many types for a bad URI
-                raise StoreError(f"MLflow at {self.uri} cannot be used ({exc}); check MLFLOW_TRACKING_URI") from exc
+                raise StoreError(
+                    f"MLflow at {redact_url(self.uri)} cannot be used ({redact_url(str(exc))}); check MLFLOW_TRACKING_URI"
+                ) from exc
         return self._c
 
     def experiment_id(self, name: str) -> str:
@@ -238,7 +242,7 @@ class Tracker:
             )
         except Exception as exc:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST and friends
             raise NotFoundError(
-                f"model {name!r} has no version or alias {ref!r} in the MLflow registry at {self.uri}; "
+                f"model {name!r} has no version or alias {ref!r} in the MLflow registry at {redact_url(self.uri)}; "
                 "register it first (a pipeline's register/pretrain step) or pick an existing version"
             ) from exc
         return int(mv.version), dict(mv.tags or {})

@@ -41,6 +41,7 @@ import typer
 
 from raypai import exits
 from raypai.config import parse_assignments
+from raypai.credentials import url_password
 from raypai.errors import ConfigError, PipelineError
 
 __all__ = [
@@ -227,14 +228,23 @@ def runtime_env(
     settings=None,
     working_dir: str | Path | None = None,
     forward_credentials: bool = False,
+    same_machine: bool = False,
 ) -> dict:
-    """The job's runtime_env: the unpacked wheel as `py_modules`, the settings and S3 variables."""
+    """The job's runtime_env: the unpacked wheel as `py_modules`, the settings and S3 variables.
+
+    No database password travels in it (the dashboard shows it): the settings' URLs lose theirs
+    (`Settings.to_env`). A cluster on this machine (`same_machine`) gets PGPASSFILE, a 0600 file here;
+    a remote cluster's nodes must hold the password themselves (PGPASSWORD from a Kubernetes Secret,
+    infra/k8s; docs/production.md, "Secrets")."""
+    from raypai.credentials import worker_secret_env
     from raypai.settings import Settings
 
     env = os.environ if env is None else env
     settings = settings or Settings.load(dict(env))
     names = FORWARDED_ENV + (CREDENTIAL_ENV if forward_credentials else ())
     env_vars = {**settings.to_env(), **{k: env[k] for k in names if env.get(k)}}
+    if same_machine:
+        env_vars.update(worker_secret_env(settings))
     # The runner's ray.init adds its own runtime_env inside the job: let Ray merge the two.
     env_vars["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
     out: dict = {"py_modules": [str(wheel_modules(wheel))], "env_vars": env_vars}
@@ -290,7 +300,12 @@ def submit(
     """
     client = _client(address, token)
     renv = runtime_env(
-        wheel, env=env, settings=settings, working_dir=working_dir, forward_credentials=forward_credentials
+        wheel,
+        env=env,
+        settings=settings,
+        working_dir=working_dir,
+        forward_credentials=forward_credentials,
+        same_machine=_is_loopback(address),
     )
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=renv, metadata={"raypai_wheel": Path(wheel).name})
     if not wait:
@@ -373,6 +388,12 @@ def submit_command(
                 "[yellow]note:[/] this machine's SQLite database / local artifact folder are not visible "
                 "to a remote cluster; point RAYPAI_DATABASE_URL and RAYPAI_ARTIFACT_URI at shared services "
                 "(docs/production.md)"
+            )
+        if url_password(s.database_url) or url_password(s.mlflow_tracking_uri):
+            console.print(
+                "[yellow]note:[/] the database password is not sent with the job (the Ray dashboard shows a "
+                "job's environment): the cluster's nodes must have it, as PGPASSWORD from a secret "
+                '(infra/k8s) or a PGPASSFILE (docs/production.md, "Secrets")'
             )
     try:
         job = submit(
