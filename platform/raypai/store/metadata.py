@@ -46,11 +46,9 @@ class DeploymentRecord:
 
 
 def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
-    return url
+    from raypai.credentials import redact_url  # the one redaction function for printed URLs
+
+    return redact_url(url)
 
 
 def migrate(engine, revision: str = "head") -> None:
