@@ -290,15 +290,18 @@ class Runner:
         if hit is None:
             return None, None
         src = hit["step_run"]
-        if not all(_present(self.artifacts, a, self.file_digests) for a in hit["outputs"].values()):
-            # outputs deleted from the store (or raw sources moved or edited): run again
-            return None, (
-                f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its "
-                "outputs are gone from the artifact store (or its raw source moved or changed)"
-            )
+        for name, art in hit["outputs"].items():
+            # outputs deleted from the store, or committed files whose sizes differ (a truncated
+            # write, a disk that lost blocks), or raw sources moved or edited: run again
+            problems = _problems(self.artifacts, art, self.file_digests)
+            if problems:
+                return None, (
+                    f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its output "
+                    f"{name} ({art.kind} {art.digest[:12]}…) at {art.uri} cannot be reused: {'; '.join(problems[:3])}"
+                )
         # the raw files it registered while it ran (ctx.register_source) must still hold what it read
         for art in self.store.inputs_of(src["id"]).values():
-            if art.kind == "source" and not _present(self.artifacts, art, self.file_digests):
+            if art.kind == "source" and _problems(self.artifacts, art, self.file_digests):
                 return None, (
                     f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but the source "
                     f"it read, {art.uri}, is gone or changed (it held sha256 {art.digest[:12]}…)"
@@ -436,12 +439,14 @@ def _remote_execute():
 _EXECUTE = None
 
 
-def _present(store: ArtifactStore, art: Artifact, digests: FileDigests) -> bool:
-    """Raw sources live outside the store (recorded, not copied): they count while their path holds
-    the content recorded (its digest, by the size/mtime fast path when unchanged)."""
+def _problems(store: ArtifactStore, art: Artifact, digests: FileDigests) -> list[str]:
+    """Why `art` cannot be reused ([] when it can). Raw sources live outside the store (recorded,
+    not copied): they count while their path holds the content recorded (its digest, by the
+    size/mtime fast path when unchanged). A stored artifact counts while it is committed and each
+    file has the size its commit marker records."""
     if art.kind == "source" and "://" not in art.uri:
-        return digests.of(art.uri).get("sha256") == art.digest
-    return store.exists(art.uri)
+        return [] if digests.of(art.uri).get("sha256") == art.digest else ["it is gone or changed"]
+    return store.problems(art.uri)
 
 
 def _split_result(step_name: str, value) -> tuple[dict, object]:

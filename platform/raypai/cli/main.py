@@ -3,6 +3,7 @@
 raypai run pipelines/toy.py --param n=20
 raypai runs ; raypai show RUN_ID ; raypai resume RUN_ID
 raypai lineage ARTIFACT_ID [--down] [--json]
+raypai verify ARTIFACT_ID_OR_URI        # every file hashed again against the recorded digest
 raypai doctor ; raypai ui
 raypai ray start ; raypai ray status ; raypai ray stop     # raypai's own local Ray head, on free ports
 """
@@ -176,6 +177,28 @@ def artifacts(kind: Optional[str] = None, limit: int = 30):
     for a in _store().list_artifacts(kind=kind, limit=limit):
         t.add_row(a.id[:12], a.kind, a.name, a.digest[:12], str(a.size_bytes), a.uri)
     console.print(t)
+
+
+@app.command()
+def verify(ref: str = typer.Argument(..., help="artifact id, id or digest prefix, or its uri")):
+    """Read every file of an artifact again and check it against the digest recorded when it was saved:
+    exit 0 when it matches, 1 naming each file that differs (2: no such artifact)."""
+    from raypai.artifacts import ArtifactStore
+
+    settings = _settings()
+    art = _store().get_artifact(ref)
+    problems = ArtifactStore(settings.artifact_uri, cache_dir=settings.home / "cache").verify(art)
+    what = f"{art.kind} {art.name} ({art.id[:12]}) at {art.uri}"
+    if problems:
+        console.print(f"[red]{what} differs from what was recorded (sha256 {art.digest}):[/]")
+        for p in problems:
+            console.print(f"  {p}")
+        console.print(
+            f"delete {art.uri} and re-run the step that made it: the run saves the content anew "
+            "(a file whose size differs is caught, and replaced, without deleting)"
+        )
+        raise typer.Exit(exits.FAILED)
+    console.print(f"[green]ok[/] {what}: {art.size_bytes} bytes, sha256 {art.digest}")
 
 
 @app.command()

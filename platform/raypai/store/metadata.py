@@ -298,9 +298,12 @@ class MetadataStore:
                 s.add(table(step_run_id=step_run_id, artifact_id=artifact_id, name=name))
 
     def get_artifact(self, ref: str) -> Artifact:
-        """By id, id prefix, or digest prefix (newest first)."""
+        """By id, id prefix, digest prefix, or uri (newest first)."""
         with self.session() as s:
             row = s.get(m.ArtifactRow, ref)
+            if row is None and "/" in ref:
+                q = select(m.ArtifactRow).where(m.ArtifactRow.uri == ref.rstrip("/"))
+                row = s.scalar(q.order_by(m.ArtifactRow.created_at.desc()).limit(1))
             if row is None and len(ref) >= 6:
                 q = select(m.ArtifactRow).where(
                     (m.ArtifactRow.id.like(f"{ref}%")) | (m.ArtifactRow.digest.like(f"{ref}%"))
@@ -310,7 +313,7 @@ class MetadataStore:
                 newest = s.scalars(select(m.ArtifactRow).order_by(m.ArtifactRow.created_at.desc()).limit(5)).all()
                 known = ", ".join(f"{a.id[:12]} ({a.kind} {a.name})" for a in newest) or "the store holds none yet"
                 raise NotFoundError(
-                    f"artifact {ref!r} not found by id, id prefix or digest prefix (newest: {known}); "
+                    f"artifact {ref!r} not found by id, id prefix, digest prefix or uri (newest: {known}); "
                     "list them with `raypai artifacts`"
                 )
             return _artifact(row)
