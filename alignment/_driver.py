@@ -199,7 +199,7 @@ class Run:
     ) -> tuple[list, object]:
         """The rollout replicas (each its own sampling seed, so they draw different samples) and the
         Reward actor (rule rewards, and the reward model when `inputs.use_rm`)."""
-        from raypai.alignment.roles import Reward, Rollout
+        from raypai.alignment.roles import Rollout
 
         rollouts = self.place(
             "rollout",
@@ -213,17 +213,21 @@ class Run:
             **rollout,
         )
         rm = reward_model_dir if inputs.use_rm else None
-        [reward] = self.place("reward", Reward, inputs.reward_fns, rm, cfg.reward_model_weight)
+        reward = self.place_reward(cfg, inputs.reward_fns, rm, cfg.reward_model_weight)
         return rollouts, reward
+
+    def place_reward(self, cfg, *args):
+        """The Reward role: `cfg.reward_ranks` ranks, each scoring a share of the rows."""
+        from raypai.alignment.roles import Reward
+
+        return self.place_ranks("reward", Reward, *args, timeout_s=cfg.collective_timeout_s)
 
     def finish(self, trained, out_dir: str, algorithm: str, cfg, summary: dict, lineage: dict | None) -> dict:
         """Export the trained model (and with LoRA its adapter, to `out_dir` + "-adapter"); the summary
         gains the trainable and total parameter counts and each model role's ranks (`ranks_policy`, ...)."""
         summary = {**summary, **ray.get(trained.param_counts.remote())}
-        # the ranks of each model role (rollout replicas and the Reward actor are not ranks of one model)
-        summary.update(
-            {f"ranks_{r}": s.replicas for r, s in self.placement.specs.items() if r not in ("rollout", "reward")}
-        )
+        # the ranks of each role (rollout replicas are not ranks of one group: `rollout_replicas`)
+        summary.update({f"ranks_{r}": s.replicas for r, s in self.placement.specs.items() if r != "rollout"})
         meta = {"algorithm": algorithm, "config": asdict(cfg), "metrics": summary, "lineage": lineage or {}}
         ray.get(trained.export.remote(out_dir, meta))
         self.summary = summary

@@ -288,10 +288,12 @@ class Scale(_Part):
     """How a run's model roles spread over ranks (docs/scaling.md). A trained role (the policy, PPO's
     critic, a reward model being trained) is `ranks` data-parallel ranks, one DeepSpeed engine across
     them at the config's ZeRO stage; the frozen reference is `reference_ranks` ranks, each scoring a
-    share of the rows. Defaults: one rank each, what one machine needs."""
+    share of the rows, and the reward (rule functions and a reward model) `reward_ranks`, likewise.
+    Defaults: one rank each, what one machine needs."""
 
     ranks: int = 1
     reference_ranks: int = 1
+    reward_ranks: int = 1
     # rows per forward/backward on a rank: its share of a step's batch runs in micro-batches of this
     # many rows, the gradients accumulated over them (the same update); 0 = the whole share at once
     micro_batch: int = 0
@@ -309,6 +311,7 @@ class Scale(_Part):
             {
                 "ranks": "data-parallel ranks of each trained role",
                 "reference_ranks": "ranks of the frozen reference",
+                "reward_ranks": "ranks scoring the rewards",
                 "collective_timeout_s": "seconds a collective may wait for a rank",
             },
         )

@@ -83,7 +83,7 @@ def run_grpo(
             if cfg.beta and not cfg.lora()
             else {}
         ),
-        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
     }
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its

@@ -30,7 +30,7 @@ from raypai.alignment.evaluate import reward_with
 from raypai.alignment.losses import ChosenRejected
 from raypai.alignment.losses.objectives import OnlineDPO
 from raypai.alignment.placement import RoleSpec
-from raypai.alignment.roles import Reward, Rollout
+from raypai.alignment.roles import Rollout
 from raypai.alignment.sync import start_sync, wait_loads
 from raypai.errors import ConfigError
 
@@ -68,7 +68,7 @@ def run_online_dpo(
             {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
         ),  # LoRA: the policy's base
         "rollout": RoleSpec(cpus=0.5, gpus=g / 4),
-        "reward": RoleSpec(cpus=0.25),
+        "reward": RoleSpec(cpus=0.25, replicas=cfg.reward_ranks),
     }
     device = "cuda" if g else "cpu"
     threads = max(1, round(sum(r.cpus for r in specs.values())))
@@ -96,7 +96,7 @@ def run_online_dpo(
             device=device,
             gpu_share=specs["rollout"].gpus,
         )
-        [reward] = run.place("reward", Reward, inputs.reward_fns)
+        reward = run.place_reward(cfg, inputs.reward_fns)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
         rng = random.Random(cfg.seed)
         start, saved = resume_state("online_dpo", checkpoint_dir, rng, policy, [rollout], shared=sync_path(cfg))

@@ -70,7 +70,7 @@ def run_ppo(
         **(
             {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.reference_ranks)}
         ),  # LoRA: the policy's base
-        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25),
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
     }
     device = "cuda" if g else "cpu"
     # the roles take turns on one GPU, so they share a bundle there; on CPUs each keeps its own

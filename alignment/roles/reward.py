@@ -15,6 +15,14 @@ def as_completion(prompt, text: str):
     return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
 
 
+def share_bounds(n: int, rank: int, ranks: int) -> tuple[int, int]:
+    """Rows [lo, hi) of `n` that rank `rank` of `ranks` scores: contiguous near-equal slices, the
+    first `n % ranks` one row longer (as `torch.tensor_split`, which `roles._ranks.share` uses)."""
+    q, r = divmod(n, ranks)
+    lo = rank * q + min(rank, r)
+    return lo, lo + q + (rank < r)
+
+
 class RewardModelScorer:
     """A scalar-head model (AutoModelForSequenceClassification) scoring prompt + completion."""
 
@@ -45,16 +53,29 @@ class RewardModelScorer:
 
 
 class Reward:
+    """Scores completions: rule functions and a reward model, weighted. As several ranks
+    (`rank` of `rendezvous.ranks`, `raypai.alignment.ranks`; config `reward_ranks`) each scores a
+    contiguous share of the rows, every rank holding the reward model, and the shares are put back
+    together in row order on every rank."""
+
     def __init__(
         self,
         functions: list[tuple[object, float]] | None = None,
         model_dir: str | None = None,
         model_weight: float = 1.0,
         threads: int = 1,
+        *,
+        rank: int = 0,
+        rendezvous=None,
     ):
         self.threads = threads
         self.functions = list(functions or [])
         self.model_weight = model_weight
+        self.rank, self.ranks = rank, rendezvous.ranks if rendezvous else 1
+        if self.ranks > 1:
+            from raypai.alignment.roles import _ranks
+
+            _ranks.join(rendezvous, rank, use_gpu=False, deepspeed=False)  # the shares meet in host memory
         self.model = RewardModelScorer(model_dir) if model_dir else None
         self._limit_threads()
 
@@ -76,6 +97,26 @@ class Reward:
         """{'total': [...], <function name>: [...]} — the weighted sum and each part."""
         self._limit_threads()
         rows = rows or {}
+        if self.ranks == 1:
+            return self._score(prompts, completions, rows)
+        import torch.distributed as dist
+
+        lo, hi = share_bounds(len(prompts), self.rank, self.ranks)
+        mine, error = None, None
+        if hi > lo:
+            try:
+                mine = self._score(prompts[lo:hi], completions[lo:hi], {k: v[lo:hi] for k, v in rows.items()})
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below, not on this one alone (the others would wait)
+                error = exc
+        parts: list = [None] * self.ranks
+        dist.all_gather_object(parts, (mine, error))
+        for _, err in parts:
+            if err is not None:
+                raise err
+        done = [p for p, _ in parts if p is not None]
+        return {k: [v for p in done for v in p[k]] for k in done[0]}
+
+    def _score(self, prompts: list, completions: list[str], rows: dict) -> dict:
         comps = [as_completion(p, c) for p, c in zip(prompts, completions)]
         parts = {}
         total = [0.0] * len(prompts)

@@ -6,8 +6,10 @@ run's export loads in plain transformers with the trainer's weights; a 2-rank re
 rank, and its re-run resumes from the last checkpoint to the same result as a run never killed."""
 
 import random
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -35,9 +37,12 @@ def ray8(shared_ray):
     return shared_ray(num_cpus=8)
 
 
-def batches(model_dir: str, sizes: list[int], seed: int = 0) -> list[dict]:
+PLAIN = sft_examples(ar.sft_rows(TRAIN, chat=False))  # for a tokenizer without a chat template (GPT-2)
+
+
+def batches(model_dir: str, sizes: list[int], seed: int = 0, examples=EXAMPLES) -> list[dict]:
     fmt, trunc = format_and_limit(model_dir, SFTConfig())
-    enc = encode_all(fmt, EXAMPLES, trunc, "training")
+    enc = encode_all(fmt, examples, trunc, "training")
     rng = random.Random(seed)
     return [batch_of(enc, [rng.randrange(len(enc)) for _ in range(n)], fmt.tok.pad_token_id) for n in sizes]
 
@@ -104,6 +109,28 @@ def test_two_ranks_update_as_one_rank_does(ray8, tiny_model, stage):
         assert sum(halves) >= 0.99 * whole
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_zero3_ranks_of_other_families_update_and_export_as_one_rank(ray8, tmp_path, family):
+    """Qwen2 (biased q/k/v projections) and GPT-2 (Conv1D layers, the LM head tied to the token
+    embeddings, learned positions): 2 ZeRO-3 ranks take the 1-rank ZeRO-0 steps, and the export
+    gathered from their shards loads in transformers with the trained weights."""
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / family, family=family)
+    steps = batches(model_dir, [6, 3], examples=PLAIN if family == "gpt2" else EXAMPLES)
+    one, m1, _ = trained(model_dir, SFTConfig(lr=1e-2), steps, f"{family}-one")
+    two, m2, mem2 = trained(
+        model_dir, SFTConfig(lr=1e-2, zero_stage=3, ranks=2), steps, f"{family}-two", tmp_path / "out"
+    )
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert max_diff({k: start[k] for k in one}, one) > 1e-3
+    same_steps(m1, m2)
+    assert off_by(one, two, start) < 1e-4, off_by(one, two, start)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert max_diff({k: loaded[k] for k in two}, two) == 0.0
+    assert all(m["params"] < 0.65 * sum(x["params"] for x in mem2) for m in mem2)
+
+
 def test_zero3_export_loads_in_transformers_with_the_trainers_weights(ray8, tiny_model, tmp_path):
     steps = batches(tiny_model, [4, 4])
     state, _, _ = trained(tiny_model, SFTConfig(lr=1e-2, zero_stage=3, ranks=2), steps, "export3", tmp_path / "out")
@@ -124,6 +151,44 @@ def test_two_rank_reference_gives_the_one_rank_logprobs(ray8, tiny_model):
     assert out[0].shape == out[1].shape == (7, batch["input_ids"].shape[1] - 1)
     assert torch.equal(out[0], out[1])
     assert (out[0] != 0).any()
+
+
+def test_two_rank_reward_scores_as_one_rank_and_fails_as_one(ray8, tiny_model, tmp_path):
+    """Rule functions and a reward model, 5 rows over 2 ranks (3 + 2): the scores of one rank, in row
+    order; a function that fails on a row of the second rank's share fails the call on every rank
+    (a RewardError naming it), not a hang."""
+    from transformers import AutoModelForSequenceClassification
+
+    from raypai.alignment.rewards import RewardError
+    from raypai.alignment.roles import Reward
+
+    def _length(prompts, completions, **_):  # defined here: Ray ships it to the ranks by value
+        return [float(len(c[0]["content"])) for c in completions]
+
+    def _fails_on_z(prompts, completions, **_):
+        if any("z" in c[0]["content"] for c in completions):
+            raise ValueError("cannot score z")
+        return [1.0] * len(completions)
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (Path(tiny_model) / f).exists():
+            shutil.copy(Path(tiny_model) / f, tmp_path / "rm" / f)
+    prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(5)]
+    completions = ["a", "bbb", "cc", "dddd", "e"]
+    one = Reward([(_length, 0.5)], str(tmp_path / "rm"), 2.0).score(prompts, completions)
+    cfg = DPOConfig(reward_ranks=2)
+    with Run("reward2", {"reward": RoleSpec(cpus=0.5, replicas=2)}) as run:
+        reward = run.place_reward(cfg, [(_length, 0.5), (_fails_on_z, 1.0)], str(tmp_path / "rm"), 2.0)
+        two = ray.get(reward.score.remote(prompts, completions))
+        with pytest.raises(RewardError, match="_fails_on_z"):
+            ray.get(reward.score.remote(prompts, ["a", "b", "c", "d", "z"]))
+        assert ray.get(reward.score.remote(prompts[:1], ["a"]))["_length"] == [1.0]  # one rank idles
+    assert two["_length"] == one["_length"] == [1.0, 3.0, 2.0, 4.0, 1.0]
+    assert two["reward_model"] == pytest.approx(one["reward_model"], abs=1e-5)
+    assert len(set(one["reward_model"])) > 1  # the model tells the rows apart
+    assert two["total"] == pytest.approx([t + 1.0 for t in one["total"]], abs=1e-5)
 
 
 def test_a_killed_rank_fails_the_run_in_time_and_the_rerun_resumes(ray8, tiny_model, tmp_path):
