@@ -31,21 +31,36 @@ def _pod_containers(template: dict) -> list[dict]:
 
 
 def _cluster_env() -> dict[str, str]:
-    config = _docs("config.yaml")
-    return {**config["ConfigMap"]["data"], **config["Secret"]["stringData"]}
+    return dict(_docs("config.yaml")["ConfigMap"]["data"])
 
 
-def test_config_and_secret_hold_production_settings_that_raypai_accepts():
-    config = _docs("config.yaml")
-    public, secret = config["ConfigMap"]["data"], config["Secret"]["stringData"]
-    # credentials live in the Secret only
-    for key in ("RAYPAI_DATABASE_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN"):
-        assert key in secret and key not in public
-    env = _cluster_env()
-    settings = Settings.load(env)  # raises ConfigError listing every bad value
-    assert settings.database_url.startswith("postgresql+psycopg://")
+# what every raypai container reads from the Secret `raypai-secrets`, one key each (secretKeyRef)
+SECRET_KEYS = {
+    "PGPASSWORD",
+    "RAY_AUTH_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+}
+
+
+def _secret_refs(container: dict) -> dict[str, str]:
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {}) and e["valueFrom"]["secretKeyRef"]["name"] == "raypai-secrets"
+    }
+
+
+def test_config_holds_production_settings_that_raypai_accepts_and_no_credentials():
+    public = _cluster_env()
+    for key in SECRET_KEYS:
+        assert key not in public, key  # credentials come from the Secret only
+    settings = Settings.load(public)  # raises ConfigError listing every bad value
+    assert settings.database_url == "postgresql+psycopg://raypai@postgres:5432/raypai"  # password: PGPASSWORD
     assert settings.mlflow_tracking_uri.startswith("http://") and settings.artifact_uri.startswith("s3://")
-    assert env["AWS_ENDPOINT_URL"] == env["MLFLOW_S3_ENDPOINT_URL"] and env["RAY_AUTH_MODE"] == "token"
+    assert public["AWS_ENDPOINT_URL"] == public["MLFLOW_S3_ENDPOINT_URL"] and public["RAY_AUTH_MODE"] == "token"
 
 
 def test_raycluster_runs_the_raypai_image_with_the_shared_settings_everywhere():
@@ -58,7 +73,9 @@ def test_raycluster_runs_the_raypai_image_with_the_shared_settings_everywhere():
         image, tag = c["image"].rsplit(":", 1)
         assert image.endswith("/raypai") and tag.startswith(f"{VERSION}-"), c["image"]
         sources = {next(iter(s)): s[next(iter(s))]["name"] for s in c["envFrom"]}
-        assert sources == {"configMapRef": "raypai-config", "secretRef": "raypai-secrets"}, c["name"]
+        assert sources == {"configMapRef": "raypai-config"}, c["name"]
+        refs = _secret_refs(c)
+        assert set(refs) == SECRET_KEYS and all(k == v for k, v in refs.items()), c["name"]
     ports = {p["containerPort"] for p in _pod_containers(head["template"])[0]["ports"]}
     assert {6379, 8265, 10001, 8000} <= ports  # GCS, dashboard/Jobs API, client, Serve HTTP
     assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
@@ -83,7 +100,8 @@ def test_rayjob_runs_tinychat_on_the_raycluster_with_valid_parameters():
     assert params and tinychat.coerce_params(params)  # raises on unknown names or ill-typed values
     assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
     submitter = _pod_containers(job["spec"]["submitterPodTemplate"])[0]
-    assert {next(iter(s)) for s in submitter["envFrom"]} == {"configMapRef", "secretRef"}  # token for the Jobs API
+    assert {next(iter(s)) for s in submitter["envFrom"]} == {"configMapRef"}
+    assert _secret_refs(submitter)["RAY_AUTH_TOKEN"] == "RAY_AUTH_TOKEN"  # the token for the Jobs API
 
 
 def _compose() -> dict:
@@ -96,7 +114,8 @@ def test_compose_wires_mlflow_to_postgres_and_the_s3_bucket():
     cmd = services["mlflow"]["command"]
     opt = dict(a.split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
     backend = opt["--backend-store-uri"]
-    assert backend.startswith("postgresql+psycopg://") and "@postgres:5432/" in backend
+    assert backend.startswith("postgresql+psycopg://raypai@postgres:5432/")  # password: PGPASSWORD
+    assert services["mlflow"]["environment"]["PGPASSWORD"] == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
     # the database MLflow uses is created by the init script mounted into postgres
     db = backend.rsplit("/", 1)[1]
     init = next(v for v in services["postgres"]["volumes"] if "docker-entrypoint-initdb.d" in v)
@@ -118,7 +137,7 @@ def test_compose_ports_and_exports_match_raypai_services_defaults():
     from raypai.tools.services import ServicesConfig, service_env
 
     services = _compose()["services"]
-    published = {int(p.split(":")[0]) for s in services.values() for p in s.get("ports", [])}
+    published = {int(p.split(":")[-2]) for s in services.values() for p in s.get("ports", [])}  # IP:HOST:CONTAINER
     defaults = ServicesConfig(home=Path("/unused"))
     assert {defaults.mlflow_port, defaults.s3_port, 5432} <= published
     exports = dict(

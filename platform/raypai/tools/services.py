@@ -4,13 +4,16 @@
     eval "$(raypai services env)"
     raypai run pipelines/toy.py
     raypai services status ; raypai services down
+    raypai services secrets --out infra/.env   # random passwords for infra/compose.yaml, in a 0600 file
 
 The S3 server is `moto` in server mode (an S3 protocol server, in memory: data lasts until
 `down`). MLflow runs as `mlflow server` with its backend store in a PostgreSQL database (created if
 missing) and `--artifacts-destination s3://BUCKET/mlflow`: clients send artifacts to the server,
 which writes them to S3 (proxied artifacts, https://mlflow.org/docs/latest/self-hosting/). The
 raypai metadata database is created next to it. Logs, pid files and the state of the last `up` live
-under `$RAYPAI_HOME/services/`. The same layout runs in containers with infra/compose.yaml.
+under `$RAYPAI_HOME/services/`; `state.json` and `env.sh` hold credentials, so they are written with
+mode 0600, and URLs are printed through raypai.credentials.redact_url. The same layout runs in
+containers with infra/compose.yaml, whose passwords `raypai services secrets` generates.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,9 +33,21 @@ from pathlib import Path
 import typer
 
 from raypai import exits
+from raypai.credentials import redact_url, write_private
 from raypai.errors import ConfigError, StoreError
 
-__all__ = ["ServicesConfig", "ServiceState", "down", "services_app", "service_env", "status", "up", "with_free_ports"]
+__all__ = [
+    "ServicesConfig",
+    "ServiceState",
+    "compose_secrets",
+    "down",
+    "services_app",
+    "service_env",
+    "status",
+    "up",
+    "with_free_ports",
+    "write_compose_secrets",
+]
 
 _DB_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -221,7 +238,7 @@ def _ensure_databases(cfg: ServicesConfig) -> None:
                     conn.execute(text(f'CREATE DATABASE "{name}"'))
     except OperationalError as exc:
         raise StoreError(
-            f"PostgreSQL at {cfg.postgres_url} is not reachable ({str(exc).splitlines()[0]}); start "
+            f"PostgreSQL at {redact_url(cfg.postgres_url)} is not reachable ({str(exc).splitlines()[0]}); start "
             "it, or pass --postgres-url postgresql+psycopg://USER@HOST:PORT/postgres"
         ) from exc
     finally:
@@ -280,9 +297,53 @@ def up(cfg: ServicesConfig, timeout_s: float = 120.0) -> dict[str, str]:
     _ensure_bucket(cfg)
     _start(cfg, "mlflow", timeout_s)
     env = service_env(cfg)
-    (cfg.dir / "state.json").write_text(json.dumps({"config": {**asdict(cfg), "home": str(cfg.home)}}, indent=2))
-    (cfg.dir / "env.sh").write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
+    _write_state(cfg, env)
     return env
+
+
+def _write_state(cfg: ServicesConfig, env: dict[str, str]) -> None:
+    """state.json (the config of this `up`, read by status/down) and env.sh: both hold credentials
+    (the S3 keys, a PostgreSQL password in postgres_url), so both are this user's only (0600)."""
+    write_private(cfg.dir / "state.json", json.dumps({"config": {**asdict(cfg), "home": str(cfg.home)}}, indent=2))
+    write_private(cfg.dir / "env.sh", "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+
+
+# The variables infra/compose.yaml reads from infra/.env (`${VAR:?...}`), plus the same credentials
+# under the names clients read (libpq's PGPASSWORD, AWS_*, MLflow's MLFLOW_TRACKING_*), so that
+# `set -a; . infra/.env; set +a` sets up a shell on the same machine.
+def compose_secrets() -> dict[str, str]:
+    """Fresh random credentials for infra/compose.yaml (token_urlsafe: 32 bytes of entropy each)."""
+    pg, s3_key, mlflow = (secrets.token_urlsafe(32) for _ in range(3))
+    return {
+        "POSTGRES_PASSWORD": pg,
+        "MINIO_ROOT_USER": "raypai",
+        "MINIO_ROOT_PASSWORD": s3_key,
+        "MLFLOW_TRACKING_USERNAME": "admin",
+        "MLFLOW_TRACKING_PASSWORD": mlflow,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_urlsafe(32),
+        "PGPASSWORD": pg,
+        "AWS_ACCESS_KEY_ID": "raypai",
+        "AWS_SECRET_ACCESS_KEY": s3_key,
+    }
+
+
+def write_compose_secrets(path: str | Path, *, force: bool = False) -> dict[str, str]:
+    """Write `compose_secrets()` to `path` (mode 0600); refuses to replace an existing file unless
+    `force` (the PostgreSQL volume keeps the password it was created with)."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise ConfigError(
+            [
+                f"{path} exists: its passwords are the ones the services' volumes were created with; "
+                "keep it, or pass --force to generate new ones (then recreate the volumes: "
+                "`docker compose -f infra/compose.yaml down -v`)"
+            ],
+            what="raypai services secrets",
+        )
+    values = compose_secrets()
+    header = "# infra/compose.yaml's credentials, made by `raypai services secrets` (mode 0600; never commit it)\n"
+    write_private(path, header + "".join(f"{k}={v}\n" for k, v in values.items()))
+    return values
 
 
 def _stop_pid(pid: int, timeout_s: float) -> None:
@@ -377,19 +438,40 @@ def up_command(
     env = up(cfg)
     typer.echo(
         f"S3 server {cfg.s3_endpoint} (bucket {cfg.bucket}); MLflow {cfg.mlflow_uri} "
-        f"(backend {cfg.db_url(cfg.mlflow_db)}); logs in {cfg.dir}",
+        f"(backend {redact_url(cfg.db_url(cfg.mlflow_db))}); logs in {cfg.dir}",
         err=True,
     )
-    typer.echo("# point raypai at them (also in " + str(cfg.dir / "env.sh") + "):", err=True)
+    typer.echo(
+        f'# point raypai at them: eval "$(raypai services env)", or source {cfg.dir / "env.sh"} (mode 0600)', err=True
+    )
     for k, v in env.items():
-        typer.echo(f"export {k}={v}")
+        typer.echo(f"export {k}={_shown(k, v)}")
+
+
+def _shown(name: str, value: str) -> str:
+    """A variable's value as `up` prints it: secrets as ***, URLs without their passwords."""
+    from raypai.credentials import redact_params
+
+    return shlex.quote(redact_params({name: value})[name])
 
 
 @services_app.command("env")
 def env_command():
-    """Print the `export` lines for the running services: eval "$(raypai services env)"."""
+    """Print the `export` lines for the running services, credentials included (for eval, not for logs):
+    eval "$(raypai services env)"."""
     for k, v in service_env(load_config(_home())).items():
-        typer.echo(f"export {k}={v}")
+        typer.echo(f"export {k}={shlex.quote(v)}")
+
+
+@services_app.command("secrets")
+def secrets_command(
+    out: Path = typer.Option(Path("infra/.env"), "--out", help="the env file infra/compose.yaml reads"),
+    force: bool = typer.Option(False, "--force", help="replace an existing file (new passwords)"),
+):
+    """Generate random passwords for infra/compose.yaml into an env file of mode 0600."""
+    values = write_compose_secrets(out, force=force)
+    typer.echo(f"wrote {out} (mode 0600): {', '.join(values)}", err=True)
+    typer.echo(f"next: docker compose -f infra/compose.yaml up -d; set -a; . {out}; set +a", err=True)
 
 
 @services_app.command("status")
