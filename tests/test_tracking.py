@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from raypai.artifacts import ArtifactStore
+from raypai.artifacts import ArtifactStore, digest_dir
 from raypai.errors import NotFoundError, StoreError
 from raypai.tracking import RunLogger, Tracker
 
@@ -32,7 +32,11 @@ def test_runs_metrics_datasets_and_registry(tmp_path):
     v1 = tracker.register_model(model, "tiny", run_id=child, tags={"raypai.artifact_id": art.id}, alias="champion")
     v2 = tracker.register_model(model, "tiny")
     assert (v1, v2) == (1, 2)
-    assert tracker.resolve_model("tiny", "champion") == (1, {"raypai.artifact_id": art.id})
+    # every version records its files' digest (what a download is checked against)
+    assert tracker.resolve_model("tiny", "champion") == (
+        1,
+        {"raypai.artifact_id": art.id, "raypai.digest": digest_dir(model)[0]},
+    )
     local = tracker.download_model("tiny", "2", cache_dir=tmp_path / "cache")
     assert (local / "config.json").read_text() == '{"model_type": "llama"}'
     with pytest.raises(NotFoundError, match="no version or alias 'prod'"):

@@ -18,9 +18,19 @@ import time
 import uuid
 from pathlib import Path
 
-from raypai.artifacts import Artifact, default_cache_dir
+from raypai.artifacts import (
+    MARKER,
+    Artifact,
+    _discard,
+    _entries,
+    committed_problems,
+    default_cache_dir,
+    digest_dir,
+    read_marker,
+)
 from raypai.credentials import redact_params, redact_url
 from raypai.errors import NotFoundError, StoreError
+from raypai.integrity import content_problems, digest_of, refuse_pickle_weights, within
 
 # MLflow's telemetry is off in every process that talks to MLflow through raypai; the variables are
 # set when the first client is made (MLflow reads them then), never as a side effect of an import.
@@ -106,6 +116,9 @@ class RunLogger:
 
 # Set on every model version raypai registers: the way back from the registry to raypai's lineage.
 ARTIFACT_TAG = "raypai.artifact_id"
+# Set on every model version raypai registers: the sha256 of its files (raypai.artifacts.digest_dir),
+# checked by every download (a replica refuses weights that differ).
+DIGEST_TAG = "raypai.digest"
 # Set on a registered LoRA adapter (a PEFT folder, not a model): the base version it applies to,
 # as "models:/NAME/VERSION". Deploys refuse such a version and name the merge that makes it servable.
 ADAPTER_OF_TAG = "raypai.adapter_of"
@@ -204,15 +217,25 @@ class Tracker:
         alias: str | None = None,
     ) -> int:
         """Upload an HF model folder (or a PEFT adapter folder) under the run's `model/` and create a
-        registry version."""
+        registry version tagged with its files' digest (DIGEST_TAG; a digest given in `tags`, the
+        model artifact's, must be the folder's). Pickle weights are refused: only safetensors."""
         model_dir = Path(model_dir)
         if not any((model_dir / f).exists() for f in ("config.json", "adapter_config.json")):
             raise StoreError(f"{model_dir} is not a Hugging Face model folder (no config.json); export the model first")
+        refuse_pickle_weights(model_dir, f"model folder {model_dir}")
+        digest, _ = digest_dir(model_dir)
+        recorded = (tags or {}).get(DIGEST_TAG)
+        if recorded and recorded != digest:
+            raise StoreError(
+                f"{model_dir} does not hold the model it is registered as: its files' sha256 is {digest[:12]}…, "
+                f"the artifact records {recorded[:12]}…. Nothing was registered; check it with `raypai verify`"
+            )
+        tags = {**(tags or {}), DIGEST_TAG: digest}
         if run_id is None:
             run_id = self.start_run("raypai-models", f"register-{name}")
             self.end_run(run_id)
         self.client.log_artifacts(run_id, str(model_dir), "model")
-        source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
+        source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"  # inside the run's artifacts
         try:
             self.client.get_registered_model(name)
         except Exception:  # noqa: BLE001 - RESOURCE_DOES_NOT_EXIST
@@ -254,11 +277,22 @@ class Tracker:
     def download_model(self, name: str, ref: str | int, cache_dir: str | Path | None = None) -> Path:
         """Local HF folder of a registered model version (cached per registry, name, version and source)
         under `cache_dir` (entry points pass `settings.home / "cache" / "models"`; default: the user
-        cache, `default_cache_dir("models")`)."""
+        cache, `default_cache_dir("models")`). Verified before it is returned: the version's source
+        lies in the artifact folder of the run that registered it, it holds no pickle files, and its
+        files have the digest recorded at registration (DIGEST_TAG); a cached copy is checked by its
+        files' sizes and downloaded again when they differ."""
         import mlflow.artifacts
 
-        version, _ = self.resolve_model(name, ref)
-        source = self.client.get_model_version(name, str(version)).source
+        version, tags = self.resolve_model(name, ref)
+        mv = self.client.get_model_version(name, str(version))
+        source, where = mv.source, f"model {name!r} version {version}"
+        self._check_source(where, mv)
+        recorded = tags.get(DIGEST_TAG)
+        if not recorded:
+            raise StoreError(
+                f"{where} has no recorded digest (tag {DIGEST_TAG}), so its weights cannot be verified; "
+                f"register it again through raypai (`raypai model import DIR --name {name}`)"
+            )
         if cache_dir is None:
             cache_dir = default_cache_dir("models")
         # The key names the registry and the version's source, not just name/version: an embedded
@@ -266,17 +300,58 @@ class Tracker:
         # and a re-created model restarts at 1; either would otherwise serve the other's weights.
         key = hashlib.sha256(f"{self.uri}\0{source}".encode()).hexdigest()[:12]
         target = Path(cache_dir) / name / f"{version}-{key}"
-        if (target / "config.json").exists() or (target / "adapter_config.json").exists():
+        if (read_marker(target) or {}).get("digest") == recorded and not committed_problems(target):
             return target
         tmp = target.parent / f".{version}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True, exist_ok=True)
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=self.uri))
         try:
-            local.rename(target)
-        except OSError:
-            pass  # a concurrent download won; identical content
-        shutil.rmtree(tmp, ignore_errors=True)
+            local = Path(
+                mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=self.uri)
+            )
+            _verify_weights(local, recorded, f"{where} (downloaded from {source})")
+            if target.exists():
+                _discard(target)  # an unverified or damaged earlier copy
+            try:
+                local.rename(target)
+            except OSError:
+                pass  # a concurrent download won; it was verified the same way
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return target
+
+    def _check_source(self, where: str, mv) -> None:
+        """A version's weights come from the registry's own artifact store: the artifact folder of
+        the run that registered it (where register_model uploads them), never a URI a caller chose."""
+        run_uri = self.client.get_run(mv.run_id).info.artifact_uri if mv.run_id else ""
+        if not run_uri or not within(mv.source, run_uri):
+            raise StoreError(
+                f"{where}: its source {mv.source} lies outside the registry's artifact store "
+                f"({run_uri or 'the version names no run'}); raypai loads only weights it uploaded itself. "
+                "Register the model through raypai (`raypai model import DIR --name NAME`, or a pipeline's "
+                "register step), which uploads its files and records their digest"
+            )
+
+
+def _verify_weights(local: Path, digest: str, where: str) -> None:
+    """A downloaded model folder must hold only safetensors weights and the recorded digest; on
+    success it is stamped with a commit marker recording its files, for the size check of a cache hit."""
+    import json
+
+    refuse_pickle_weights(local, where)
+    entries = _entries(local)
+    got = digest_of([(rel, sha) for rel, _p, _n, sha in entries])
+    files = {rel: [n, sha] for rel, _p, n, sha in entries}
+    if got != digest:
+        # a folder uploaded from the artifact store carries the artifact's marker: it names the file
+        named = content_problems((read_marker(local) or {}).get("files"), {r: tuple(e) for r, e in files.items()})
+        raise StoreError(
+            f"{where} is not what was registered: its files' sha256 is {got[:12]}…, {digest[:12]}… was recorded"
+            f"{' (' + '; '.join(named[:3]) + ')' if named else ''}. The download was discarded and nothing is "
+            "served from it; register the model again from its artifact (`raypai verify` checks the artifact first)"
+        )
+    (local / MARKER).write_text(
+        json.dumps({"digest": got, "size_bytes": sum(n for n, _ in files.values()), "files": files})
+    )
 
 
 def _is_number(v) -> bool:
