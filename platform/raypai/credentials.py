@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 __all__ = [
     "REDACTED",
+    "pgpass_env",
     "redact_params",
     "redact_url",
     "strip_password",
@@ -130,10 +131,15 @@ def worker_secret_env(settings) -> dict[str, str]:
     seeing them in its environment: {"PGPASSFILE": path} to a pgpass file of mode 0600 under
     `$RAYPAI_HOME/secrets/` (written here), or {} when no URL has a password. Only for processes that
     share this machine's filesystem (a local Ray, a head raypai started here)."""
-    lines = [line for url in (settings.database_url, settings.mlflow_tracking_uri) if (line := _pgpass_line(url))]
+    urls = (settings.database_url, settings.mlflow_tracking_uri)
+    return pgpass_env(urls, Path(settings.home) / "secrets" / "pgpass")
+
+
+def pgpass_env(urls, path: str | Path) -> dict[str, str]:
+    """{"PGPASSFILE": path} after writing the passwords of the PostgreSQL `urls` there (mode 0600);
+    {} when none has a password. A child process then gets `strip_password(url)` and this."""
+    lines = [line for url in urls if (line := _pgpass_line(url))]
     if not lines:
         return {}
-    path = write_private(
-        Path(settings.home) / "secrets" / "pgpass", "".join(f"{line}\n" for line in dict.fromkeys(lines))
-    )
+    path = write_private(path, "".join(f"{line}\n" for line in dict.fromkeys(lines)))
     return {"PGPASSFILE": str(path)}

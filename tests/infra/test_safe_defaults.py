@@ -158,3 +158,14 @@ def test_services_state_files_are_this_users_only(tmp_path):
     for f in ("state.json", "env.sh"):
         assert stat.S_IMODE((cfg.dir / f).stat().st_mode) == 0o600, f
     assert "canary-pw" in (cfg.dir / "env.sh").read_text()  # the credentials are there, for this user
+
+
+def test_the_mlflow_server_raypai_services_starts_has_no_password_on_its_command_line(tmp_path):
+    """Every user of the machine can read a process's command line (ps): the backend URL goes
+    without its password, which `_start` gives to libpq as a 0600 PGPASSFILE."""
+    from raypai.tools.services import ServicesConfig, _commands
+
+    cfg = ServicesConfig(home=tmp_path, postgres_url="postgresql+psycopg://postgres:canary-pw@127.0.0.1:5432/postgres")
+    argv, env, _health = _commands(cfg)["mlflow"]
+    assert "canary-pw" not in " ".join(argv) + str(env)
+    assert "postgresql+psycopg://postgres@127.0.0.1:5432/raypai_mlflow" in argv

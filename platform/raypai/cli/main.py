@@ -254,7 +254,9 @@ def ui(port: Optional[int] = typer.Option(None, help="MLflow UI port [5000, or a
         check_port("MLflow UI", port)
     port = port or pick_port(DEFAULT_PORTS["mlflow_ui"])
     head = load_state(s).head
-    console.print(f"MLflow UI:      http://{host}:{port}   (tracking store {s.mlflow_tracking_uri})")
+    from raypai.credentials import redact_url, strip_password, worker_secret_env
+
+    console.print(f"MLflow UI:      http://{host}:{port}   (tracking store {redact_url(s.mlflow_tracking_uri)})")
     if head is not None and head.dashboard_url:
         console.print(f"Ray dashboard:  {head.dashboard_url}  (raypai's Ray head)")
     cmd = [
@@ -267,11 +269,11 @@ def ui(port: Optional[int] = typer.Option(None, help="MLflow UI port [5000, or a
         "--port",
         str(port),
         "--backend-store-uri",
-        s.mlflow_tracking_uri,
+        strip_password(s.mlflow_tracking_uri),  # a command line is visible to every user: libpq reads PGPASSFILE
         "--default-artifact-root",
         str(s.home / "mlartifacts"),
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    proc = subprocess.Popen(cmd, env={**os.environ, **worker_secret_env(s), "MLFLOW_DISABLE_TELEMETRY": "true"})
     record_endpoint(s, "mlflow_ui", f"http://{host}:{port}", proc.pid)
     try:
         code = proc.wait()

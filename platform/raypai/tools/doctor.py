@@ -37,14 +37,14 @@ def run_checks(settings: Settings) -> list[tuple[str, bool, str]]:
             )
         )
     except Exception as exc:  # noqa: BLE001 - report, don't crash
-        out.append(("metadata database", False, str(exc)))
+        out.append(("metadata database", False, _redact(str(exc))))
     try:
         from raypai.tracking import Tracker
 
         Tracker(settings.mlflow_tracking_uri).client.search_experiments(max_results=1)
-        out.append(("MLflow tracking", True, settings.mlflow_tracking_uri))
+        out.append(("MLflow tracking", True, _redact(settings.mlflow_tracking_uri)))
     except Exception as exc:  # noqa: BLE001
-        out.append(("MLflow tracking", False, f"{settings.mlflow_tracking_uri}: {exc}"))
+        out.append(("MLflow tracking", False, _redact(f"{settings.mlflow_tracking_uri}: {exc}")))
     try:
         from raypai.artifacts import ArtifactStore
 

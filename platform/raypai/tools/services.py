@@ -33,7 +33,7 @@ from pathlib import Path
 import typer
 
 from raypai import exits
-from raypai.credentials import redact_url, write_private
+from raypai.credentials import pgpass_env, redact_url, strip_password, write_private
 from raypai.errors import ConfigError, StoreError
 
 __all__ = [
@@ -164,7 +164,8 @@ def _commands(cfg: ServicesConfig) -> dict[str, tuple[list[str], dict[str, str],
                 "--workers",
                 "1",
                 "--backend-store-uri",
-                cfg.db_url(cfg.mlflow_db),
+                # a command line is visible to every user: the password goes to libpq as PGPASSFILE
+                strip_password(cfg.db_url(cfg.mlflow_db)),
                 "--artifacts-destination",
                 f"s3://{cfg.bucket}/mlflow",
             ],
@@ -272,6 +273,8 @@ def _start(cfg: ServicesConfig, name: str, timeout_s: float) -> int:
         )
     log = cfg.dir / f"{name}.log"
     env = {**os.environ, **extra, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONUNBUFFERED": "1"}
+    if name == "mlflow":  # its backend URL on the command line has no password: libpq reads it here
+        env.update(pgpass_env([cfg.db_url(cfg.mlflow_db)], cfg.dir / "pgpass"))
     with open(log, "ab") as out:
         # own session: `down` signals the whole group (mlflow server forks its workers)
         proc = subprocess.Popen(
