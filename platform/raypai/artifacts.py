@@ -286,20 +286,9 @@ class ArtifactStore:
         """[] when the artifact at `uri` is committed and each file has the size its marker records
         (what a cache hit requires), else what is wrong, naming the files. One listing on S3."""
         fs, path = self._fs_path(uri)
-        path = path.rstrip("/")
         if _is_local(uri) and Path(path).is_file():
             return []  # a single-file source, recorded by digest
-        listing = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-        sizes = {i.path[len(path) + 1 :]: i.size for i in listing if i.type == pafs.FileType.File}
-        if MARKER not in sizes:
-            return ["it is gone from the artifact store" if not sizes else "it was never committed (no marker)"]
-        sizes.pop(MARKER)
-        try:
-            with fs.open_input_stream(f"{path}/{MARKER}") as f:
-                marker = json.loads(f.read().decode())
-        except (OSError, ValueError):
-            return [f"its commit marker {MARKER} cannot be read"]
-        return marker_problems(marker, sizes)
+        return _problems_at(fs, path.rstrip("/"))
 
     def put_dir(self, local_dir: str | Path, *, kind: str, name: str, metadata: dict | None = None) -> Artifact:
         """Copy a local folder into the store (once per content; a damaged copy is replaced) and
@@ -317,7 +306,7 @@ class ArtifactStore:
         final = join_key(self.root, f"{kind}/{digest}")
         files = {rel: [n, sha] for rel, _p, n, sha in entries}
         marker = {"kind": kind, "digest": digest, "size_bytes": size, "committed_at": time.time(), "files": files}
-        if self.problems(self._uri(final)):  # absent, or committed but damaged: write it
+        if _problems_at(self.fs, final):  # absent, or committed but damaged: write it
             try:
                 if isinstance(self.fs, pafs.LocalFileSystem):
                     self._put_local(entries, final, marker)
@@ -433,6 +422,21 @@ class ArtifactStore:
             named = [f"{r} is missing" for r in sorted(recorded - set(actual))]
             named += [f"{r} was not recorded" for r in sorted(set(actual) - recorded) if recorded]
         return named or [f"its files' digest is {got[:12]}…, {artifact.digest[:12]}… was recorded"]
+
+
+def _problems_at(fs: pafs.FileSystem, path: str) -> list[str]:
+    """ArtifactStore.problems for a folder `path` of `fs`: one listing and the marker."""
+    listing = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    sizes = {i.path[len(path) + 1 :]: i.size for i in listing if i.type == pafs.FileType.File}
+    if MARKER not in sizes:
+        return ["it is gone from the artifact store" if not sizes else "it was never committed (no marker)"]
+    sizes.pop(MARKER)
+    try:
+        with fs.open_input_stream(f"{path}/{MARKER}") as f:
+            marker = json.loads(f.read().decode())
+    except (OSError, ValueError):
+        return [f"its commit marker {MARKER} cannot be read"]
+    return marker_problems(marker, sizes)
 
 
 def _same_as_digested(src: Path, got: tuple[str, int], expected: tuple[str, int]) -> None:
