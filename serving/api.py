@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from raypai.errors import DeployError, DeploymentConflict, NotFoundError
+from raypai.errors import DeployError, DeploymentConflict, NotFoundError, StoreError
 from raypai.serving import auth
 from raypai.serving.control import Controller
 from raypai.serving.errors import APIError, install
@@ -52,6 +52,10 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
             raise APIError(409, str(exc), code="conflict") from None
         except DeployError as exc:
             raise APIError(400, str(exc), code="deploy_error") from None
+        except StoreError:  # (a DBAPIError is answered the same way by raypai.serving.errors)
+            raise APIError(
+                503, "the metadata database is unavailable; retry shortly", code="database_unavailable"
+            ) from None
 
     @app.get("/healthz")
     async def healthz():
@@ -71,6 +75,11 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
             gpus=body.gpus,
             max_batch_size=body.max_batch_size,
             batch_wait_timeout_s=body.batch_wait_timeout_s,
+            max_kv_cells=body.max_kv_cells,
+            max_ongoing_requests=body.max_ongoing_requests,
+            max_queued_requests=body.max_queued_requests,
+            request_timeout_s=body.request_timeout_s,
+            drain_timeout_s=body.drain_timeout_s,
         )
 
     @app.get("/api/v1/deployments", dependencies=[Depends(require_deploy)])

@@ -17,7 +17,7 @@ from raypai.errors import ConfigError, DeployError, DeploymentConflict, NotFound
 from raypai.serving.canary import CanaryPolicy
 from raypai.serving.limits import Limits
 from raypai.serving.model_server import ModelServer
-from raypai.serving.router import Router, app_name
+from raypai.serving.router import Freshness, Router, app_name
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 from raypai.tracking import ADAPTER_OF_TAG, Tracker
@@ -70,10 +70,13 @@ class Controller:
         store: MetadataStore | None = None,
         tracker: Tracker | None = None,
         limits: Limits | None = None,
+        freshness: Freshness | None = None,
     ):
         self.settings = settings
         # the router's limits; RAYPAI_SERVE_MAX_BODY_BYTES etc. (raypai.serving.limits)
         self.limits = limits if limits is not None else Limits.from_env(os.environ)
+        # how long the router trusts what it read; RAYPAI_SERVE_TOKEN_TTL_S etc. (raypai.serving.router)
+        self.freshness = freshness if freshness is not None else Freshness.from_env(os.environ)
         self.store = store or MetadataStore(settings.database_url)
         self.tracker = tracker or Tracker(settings.mlflow_tracking_uri)
 
@@ -87,11 +90,24 @@ class Controller:
         apps = serve.status().applications
         if ROUTER_APP not in apps:
             serve.run(
-                Router.bind(self.settings.database_url, self.limits), name=ROUTER_APP, route_prefix="/", blocking=False
+                Router.bind(self.settings.database_url, self.limits, self.freshness),
+                name=ROUTER_APP,
+                route_prefix="/",
+                blocking=False,
             )
 
     def _run_version(self, name: str, spec: DeploymentSpec, version: int) -> None:
-        opts = {"name": "ModelServer", "ray_actor_options": {"num_cpus": spec.cpus, "num_gpus": spec.gpus}}
+        opts = {
+            "name": "ModelServer",
+            "ray_actor_options": {"num_cpus": spec.cpus, "num_gpus": spec.gpus},
+            "max_ongoing_requests": spec.max_ongoing_requests,
+            # waiting at the router (the caller) past this: BackPressureError, answered 503 + Retry-After
+            "max_queued_requests": spec.max_queued_requests,
+            # a replica being removed (rollback, promote, scale-down, delete) stops taking requests and
+            # finishes those it has, for up to drain_timeout_s, before it is stopped
+            "graceful_shutdown_wait_loop_s": 0.5,
+            "graceful_shutdown_timeout_s": spec.drain_timeout_s,
+        }
         if spec.autoscaling:
             opts["autoscaling_config"] = spec.autoscaling
         else:
@@ -102,6 +118,7 @@ class Controller:
             self.settings.mlflow_tracking_uri,
             max_batch_size=spec.batching.max_batch_size,
             batch_wait_timeout_s=spec.batching.batch_wait_timeout_s,
+            max_kv_cells=spec.batching.max_kv_cells,
         )
         serve.run(server, name=app_name(name, version), route_prefix=None, blocking=False)
         _wait_running(app_name(name, version))
@@ -137,6 +154,11 @@ class Controller:
         gpus: float = DEFAULTS["gpus"],
         max_batch_size: int = DEFAULTS["max_batch_size"],
         batch_wait_timeout_s: float = DEFAULTS["batch_wait_timeout_s"],
+        max_kv_cells: int = DEFAULTS["max_kv_cells"],
+        max_ongoing_requests: int = DEFAULTS["max_ongoing_requests"],
+        max_queued_requests: int = DEFAULTS["max_queued_requests"],
+        request_timeout_s: float = DEFAULTS["request_timeout_s"],
+        drain_timeout_s: float = DEFAULTS["drain_timeout_s"],
     ) -> dict:
         """Deploy `model` at `version`, or at the version behind `alias` (neither: DEFAULT_ALIAS); the
         defaults are the deployment spec's (raypai.deployment.DEFAULTS)."""
@@ -154,7 +176,11 @@ class Controller:
             autoscaling=autoscaling,
             cpus=cpus,
             gpus=gpus,
-            batching=Batching(max_batch_size, batch_wait_timeout_s),
+            batching=Batching(max_batch_size, batch_wait_timeout_s, max_kv_cells),
+            max_ongoing_requests=max_ongoing_requests,
+            max_queued_requests=max_queued_requests,
+            request_timeout_s=request_timeout_s,
+            drain_timeout_s=drain_timeout_s,
         )
         self.start()
         # insert-or-fail: of two concurrent creates of `name`, the second gets DeploymentConflict (409)

@@ -41,6 +41,18 @@ def should_admit(
     return active == 0 or waiting >= min(min_group, free_slots) or waited_steps >= max_wait_steps
 
 
+def kv_cells(rows: int, longest: int) -> int:
+    """KV cells a left-padded batch can reach: every row is as wide as the longest one, so `rows`
+    sequences whose longest prompt + max_tokens is `longest` hold at most rows x longest positions
+    (per layer and head) before the first of them finishes."""
+    return rows * longest
+
+
+def final_length(req: GenRequest) -> int:
+    """Positions `req` can occupy in the cache: its prompt and every token it may generate."""
+    return len(req.prompt_ids) + req.max_tokens
+
+
 @dataclass
 class Event:
     """What happened to one request in one call: new streamable text, and the result once finished."""
@@ -58,15 +70,18 @@ class _Seq:
     produced: list[int] = field(default_factory=list)
     emitted: str = ""
     gen: torch.Generator | None = None
+    group: int = 0  # which prefill brought it in: a failed step evicts the newest group first
 
 
 class Engine:
-    def __init__(self, model, tok, stop_ids: set[int], max_batch_size: int = 16):
+    def __init__(self, model, tok, stop_ids: set[int], max_batch_size: int = 16, max_kv_cells: int | None = None):
         self.model, self.tok, self.stop_ids = model, tok, set(stop_ids)
         # the KV cache, masks and positions live on the model's device; the sampled tokens (`last`)
         # stay on the CPU, where sampling reads the logits and Python reads the tokens
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
+        self.max_kv_cells = max_kv_cells  # None: rows are the only limit
+        self.groups = 0  # prefills run (each admitted group's number)
         self.steps = self.tokens = 0  # decode steps run, tokens they produced (tokens/steps = mean batch)
         self.seqs: list[_Seq] = []  # row i of the cache belongs to seqs[i]
         self.cache: DynamicCache | None = None
@@ -83,25 +98,63 @@ class Engine:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.seqs)
 
+    def fits(self, reqs: list[GenRequest]) -> bool:
+        """Whether the running batch and `reqs` together stay within `max_kv_cells` (admission by KV
+        budget, not by rows: one near-context-length prompt widens every row of a left-padded cache).
+        An idle engine takes any one request: it passed the context-window check, so it fits alone."""
+        if self.max_kv_cells is None or (not self.seqs and len(reqs) <= 1):
+            return True
+        longest = max(final_length(r) for r in [s.req for s in self.seqs] + list(reqs))
+        return kv_cells(len(self.seqs) + len(reqs), longest) <= self.max_kv_cells
+
     @torch.no_grad()
     def add(self, items: list[tuple[Hashable, GenRequest]]) -> list[Event]:
-        """Prefill `items` as one left-padded batch, sample their first tokens, join the running batch."""
+        """Prefill `items` as one left-padded batch, sample their first tokens, join the running batch.
+        The prefill has a cache of its own, so a failure leaves the running batch untouched; a group
+        that fails is prefilled again one request at a time, and only the requests that fail alone fail."""
         if not items:
             return []
+        try:
+            return self._prefill(items)
+        except Exception as exc:  # noqa: BLE001 - one bad prompt (or OOM) must not fail its group-mates
+            if len(items) == 1:
+                return [Event(items[0][0], "", error=exc)]
+            return [e for item in items for e in self.add([item])]
+
+    def _prefill(self, items: list[tuple[Hashable, GenRequest]]) -> list[Event]:
         ids, mask = left_pad([r.prompt_ids for _, r in items], self.tok.pad_token_id)  # (B2, T2)
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)  # real positions; padding reads position 0, masked anyway
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        new = [_Seq(k, r, gen=torch.Generator().manual_seed(r.seed) if r.seed is not None else None) for k, r in items]
+        self.groups += 1
+        new = [
+            _Seq(k, r, gen=torch.Generator().manual_seed(r.seed) if r.seed is not None else None, group=self.groups)
+            for k, r in items
+        ]
         self._merge(new, cache, mask, pos[:, -1] + 1)
         return self._advance(out.logits[:, -1].float().cpu(), rows=range(len(self.seqs) - len(new), len(self.seqs)))
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """One decoding step for every running sequence."""
-        if not self.seqs:
-            return []
+        """One decoding step for every running sequence. A failed forward pass fails the newest group
+        (it ran before that group joined) and the step is retried without it, so the sequences that
+        were running keep their place; only a batch that fails with no group left to blame fails whole."""
+        events: list[Event] = []
+        while self.seqs:
+            width, pos = self.mask.shape[1], self.pos
+            try:
+                return events + self._step()
+            except Exception as exc:  # noqa: BLE001 - fail the newest group, keep the rest
+                self._restore(width)
+                self.pos = pos
+                newest = max(s.group for s in self.seqs)
+                rows = [i for i, s in enumerate(self.seqs) if s.group == newest]
+                events += [Event(self.seqs[i].key, "", error=exc) for i in rows]
+                self._evict(rows)
+        return events
+
+    def _step(self) -> list[Event]:
         self.mask = torch.cat(
             [self.mask, torch.ones((len(self.seqs), 1), dtype=torch.long, device=self.device)], dim=1
         )  # (B, T+1)
@@ -115,6 +168,21 @@ class Engine:
         self.pos = self.pos + 1
         self.steps, self.tokens = self.steps + 1, self.tokens + len(self.seqs)
         return self._advance(out.logits[:, -1].float().cpu(), rows=range(len(self.seqs)))
+
+    def cancel(self, keys: set) -> list[Hashable]:
+        """Remove the rows of `keys` (their clients left) at once; returns the keys that had a row."""
+        rows = [i for i, s in enumerate(self.seqs) if s.key in keys]
+        gone = [self.seqs[i].key for i in rows]
+        if rows:
+            self._evict(rows)
+        return gone
+
+    def _restore(self, width: int) -> None:
+        """Undo a failed step: the mask column it added and the positions some layers appended to the cache."""
+        self.mask = self.mask[:, :width]
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.shape[2] > width:
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -172,7 +240,7 @@ class Engine:
         self.seqs = self.seqs + new
 
     def reset(self) -> None:
-        """Drop every running sequence (after a failed forward pass)."""
+        """Drop every running sequence."""
         self.seqs, self.cache = [], None
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.pos = torch.zeros(0, dtype=torch.long, device=self.device)

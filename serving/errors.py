@@ -1,12 +1,20 @@
-"""OpenAI-format errors: {"error": {"message", "type", "param", "code"}}, never a bare 500 for bad input."""
+"""OpenAI-format errors: {"error": {"message", "type", "param", "code"}}, never a bare 500 for bad input.
+A 500 says nothing of its cause (a traceback can name a host, a path, a database URL): the details go
+to the server's log under the id the answer gives."""
 
 from __future__ import annotations
+
+import logging
+import uuid
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 
 from raypai.errors import RaypaiError
+
+log = logging.getLogger("ray.serve")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -15,7 +23,9 @@ _TYPES = {
     404: "not_found_error",
     409: "conflict_error",
     422: "invalid_request_error",
+    500: "api_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -72,8 +82,27 @@ def install(app: FastAPI) -> None:
             headers=getattr(exc, "headers", None),
         )
 
+    @app.exception_handler(DBAPIError)
+    async def _database(_req: Request, exc: DBAPIError):
+        # connection refused, fail-over, locked: the caller can only wait; the URL stays in the log
+        ref = uuid.uuid4().hex[:12]
+        log.warning("metadata database error [%s]: %s", ref, exc)
+        return JSONResponse(
+            error_body(
+                503,
+                f"the metadata database is unavailable; retry shortly (reference {ref} in the server's log)",
+                "database_unavailable",
+            ),
+            status_code=503,
+            headers={"retry-after": "5"},
+        )
+
     @app.exception_handler(Exception)
     async def _internal(_req: Request, exc: Exception):
-        return JSONResponse(
-            error_body(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"), status_code=500
-        )
+        ref = uuid.uuid4().hex[:12]
+        log.error("internal error [%s]", ref, exc_info=exc)
+        return JSONResponse(internal_error_body(ref), status_code=500)
+
+
+def internal_error_body(ref: str) -> dict:
+    return error_body(500, f"internal error (reference {ref} in the server's log)", "internal_error")

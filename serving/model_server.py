@@ -8,14 +8,20 @@
   prefilled together;
 - every request, streaming or not, gets its own result as soon as its own sequence is done: no
   request waits for its batch-mates (no head-of-line blocking, as `@serve.batch`'s list-in/list-out
-  handler would impose).
+  handler would impose);
+- a request whose caller goes away (the client disconnected, the router's timeout) is cancelled by
+  Serve; its row leaves the engine at the next token step;
+- waiting requests join by KV budget (`Engine.fits`), and tokenization and chat rendering run in a
+  worker thread, off the event loop every request of the replica shares.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -28,8 +34,14 @@ from raypai.serving.engine import Engine, Event, should_admit
 from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
 from raypai.serving.generation import GenRequest, GenResult
 
+log = logging.getLogger("ray.serve")
 
-@serve.deployment(ray_actor_options={"num_cpus": DEFAULTS["cpus"]}, health_check_period_s=5, max_ongoing_requests=64)
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": DEFAULTS["cpus"]},
+    health_check_period_s=5,
+    max_ongoing_requests=DEFAULTS["max_ongoing_requests"],
+)
 class ModelServer:
     def __init__(
         self,
@@ -39,6 +51,7 @@ class ModelServer:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S,
         threads: int = 1,
+        max_kv_cells: int = DEFAULTS["max_kv_cells"],
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,9 +70,15 @@ class ModelServer:
         self.context_window = context_length(self.model.config)
         # stop tokens from the tokenizer, generation_config and the chat template's end-of-turn (raypai.chat)
         self.chat = ChatFormat.from_pretrained(path, tokenizer=self.tok)
-        self.engine = Engine(self.model, self.tok, set(self.chat.stop_ids), max_batch_size=max_batch_size)
+        self.engine = Engine(
+            self.model, self.tok, set(self.chat.stop_ids), max_batch_size=max_batch_size, max_kv_cells=max_kv_cells
+        )
         self.batch_wait_s = float(batch_wait_timeout_s)
+        # at most Serve's max_ongoing_requests per replica are in here (the deployment spec bounds it)
         self.inbox: queue.Queue = queue.Queue()  # (key, GenRequest) waiting for the engine thread
+        self.cancels: queue.Queue = queue.Queue()  # keys whose callers went away (engine thread drains it)
+        self.waiting = 0  # requests the engine thread holds but has not admitted (read by info())
+        self.cancelled, self.last_cancel_at = 0, None  # requests dropped after their callers left; when (epoch s)
         self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
         self.keys = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -73,6 +92,11 @@ class ModelServer:
             "has_chat_template": bool(self.tok.chat_template),
             "decode_steps": self.engine.steps,
             "decode_tokens": self.engine.tokens,
+            "active_rows": self.engine.active,  # sequences in the engine's batch now
+            "waiting": self.waiting + self.inbox.qsize(),  # submitted, not yet admitted
+            "listeners": len(self.listeners),  # requests this replica is answering
+            "cancelled": self.cancelled,
+            "last_cancel_at": self.last_cancel_at,
         }
 
     def _prepare(self, req: GenRequest, prompt: str | None, messages: list[dict] | None) -> GenRequest:
@@ -92,20 +116,30 @@ class ModelServer:
     async def generate(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
         """One completion: `req` carries the sampling settings, `prompt` or `messages` the text.
         Returns when this request's sequence finishes, whatever its batch-mates still have to do."""
-        return await self._result(self._submit(self._prepare(req, prompt, messages)))
+        # tokenizing (a chat template is Jinja, a long prompt is many BPE merges) blocks: a worker thread
+        prepared = await asyncio.to_thread(self._prepare, req, prompt, messages)
+        key, q = self._submit(prepared)
+        try:
+            return await self._result(q)
+        finally:
+            self._forget(key)  # cancelled (the caller left): its row leaves the engine
 
     async def stream(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
         """Text deltas as tokens are decoded, then the GenResult."""
-        q = self._submit(dataclasses.replace(self._prepare(req, prompt, messages), stream=True))
-        while True:
-            event = await q.get()
-            if isinstance(event, Exception):
-                raise event
-            if event.delta:
-                yield event.delta
-            if event.result is not None:
-                yield event.result
-                return
+        prepared = await asyncio.to_thread(self._prepare, req, prompt, messages)
+        key, q = self._submit(dataclasses.replace(prepared, stream=True))
+        try:
+            while True:
+                event = await q.get()
+                if isinstance(event, Exception):
+                    raise event
+                if event.delta:
+                    yield event.delta
+                if event.result is not None:
+                    yield event.result
+                    return
+        finally:
+            self._forget(key)  # the client disconnected mid-stream: Serve cancels this generator
 
     def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica."""
@@ -117,7 +151,7 @@ class ModelServer:
     # and posts events back to the event loop; the loop wakes only when a request has news (a
     # delta to stream, a result), not once per token.
 
-    def _submit(self, req: GenRequest) -> asyncio.Queue:
+    def _submit(self, req: GenRequest) -> tuple[int, asyncio.Queue]:
         key = next(self.keys)
         self.listeners[key] = q = asyncio.Queue()
         if self.thread is None:
@@ -125,7 +159,13 @@ class ModelServer:
             self.thread = threading.Thread(target=self._engine_loop, name="raypai-engine", daemon=True)
             self.thread.start()
         self.inbox.put((key, req))
-        return q
+        return key, q
+
+    def _forget(self, key: int) -> None:
+        """After a request ends: a key still listened to was not finished (cancelled, or its caller
+        stopped reading), so the engine thread drops it, from the waiting list or the running batch."""
+        if self.listeners.pop(key, None) is not None:
+            self.cancels.put(key)
 
     async def _result(self, q: asyncio.Queue) -> GenResult:
         while True:
@@ -136,25 +176,48 @@ class ModelServer:
                 return event.result
 
     def _engine_loop(self) -> None:
+        waiting: collections.deque = collections.deque()  # (key, GenRequest) in arrival order
         waited = 0  # decode steps since the oldest waiting request arrived
         while True:
-            if not self.engine.active and self.inbox.empty():
-                self.inbox.put(self.inbox.get())  # idle: sleep until a request comes
+            if not self.engine.active and not waiting and self.inbox.empty():
+                waiting.append(self.inbox.get())  # idle: sleep until a request comes
                 if self.batch_wait_s > 0:
                     time.sleep(self.batch_wait_s)  # requests arriving together are prefilled together
+            while not self.inbox.empty():
+                waiting.append(self.inbox.get_nowait())
+            self._drop_cancelled(waiting)
             items = []
-            if should_admit(self.inbox.qsize(), self.engine.free_slots, self.engine.active, waited):
-                while len(items) < self.engine.free_slots and not self.inbox.empty():
-                    items.append(self.inbox.get_nowait())
-            try:
+            if should_admit(len(waiting), self.engine.free_slots, self.engine.active, waited):
+                # in arrival order while the batch stays within its KV budget: a long request waits
+                # for room rather than widening every row past what the device holds
+                while waiting and len(items) < self.engine.free_slots:
+                    if not self.engine.fits([r for _, r in items] + [waiting[0][1]]):
+                        break
+                    items.append(waiting.popleft())
+            self.waiting = len(waiting)
+            try:  # the engine fails a bad group or row alone; anything escaping it is a bug: fail all
                 events = self.engine.add(items) if items else self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed forward pass fails its requests, not the replica
+            except Exception as exc:  # noqa: BLE001 - fail its requests, not the replica
+                log.exception("engine error: every running request fails")
                 keys = [k for k, _ in items] + [s.key for s in self.engine.seqs]
                 self.engine.reset()
                 events = [Event(k, "", error=exc) for k in dict.fromkeys(keys)]
-            waited = 0 if items or self.inbox.empty() else waited + 1
+            waited = 0 if items or not waiting else waited + 1
             if events:
                 self.loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _drop_cancelled(self, waiting: collections.deque) -> None:
+        """Remove the requests whose callers went away: from the waiting list and from the batch."""
+        keys = set()
+        while not self.cancels.empty():
+            keys.add(self.cancels.get_nowait())
+        if keys:
+            kept = [item for item in waiting if item[0] not in keys]
+            waiting.clear()
+            waiting.extend(kept)
+            self.engine.cancel(keys)
+            self.cancelled += len(keys)
+            self.last_cancel_at = time.time()
 
     def _dispatch(self, events: list[Event]) -> None:
         for e in events:

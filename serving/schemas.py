@@ -83,6 +83,29 @@ class DeploymentCreate(BaseModel):
         le=1.0,
         description="dynamic batching: longest wait for a batch to fill",
     )
+    max_kv_cells: int = Field(
+        default=DEFAULTS["max_kv_cells"],
+        ge=1,
+        description="KV budget per replica: rows x longest prompt + max_tokens of the batch a request would join",
+    )
+    max_ongoing_requests: int = Field(
+        default=DEFAULTS["max_ongoing_requests"], ge=1, le=4096, description="requests one replica holds at once"
+    )
+    max_queued_requests: int = Field(
+        default=DEFAULTS["max_queued_requests"],
+        ge=1,
+        le=65536,
+        description="requests waiting for a replica; past it 503 + Retry-After",
+    )
+    request_timeout_s: float = Field(
+        default=DEFAULTS["request_timeout_s"], gt=0, le=3600, description="one answer (a stream included); then 504"
+    )
+    drain_timeout_s: float = Field(
+        default=DEFAULTS["drain_timeout_s"],
+        ge=0,
+        le=3600,
+        description="a replica being removed finishes its requests for up to this long",
+    )
 
     @field_validator("name")
     @classmethod

@@ -28,6 +28,9 @@ DEFAULT_ALIAS = "champion"  # the registry alias `register` moves and a deploy w
 class Batching:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     batch_wait_timeout_s: float = DEFAULT_BATCH_WAIT_S
+    # admission by KV budget (raypai.serving.engine): rows x the longest prompt + max_tokens among them,
+    # counted before a request joins; 16 rows of 4096 positions (a 0.5B Qwen2 in bf16: ~0.75 GiB of KV)
+    max_kv_cells: int = 65536
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class DeploymentSpec:
     gpus: float = 0.0
     batching: Batching = field(default_factory=Batching)
     canary_policy: dict | None = None  # raypai.serving.canary.CanaryPolicy fields; None: its defaults
+    # back-pressure and time limits (Ray Serve deployment options; docs/serving.md)
+    max_ongoing_requests: int = 64  # per replica, its engine's waiting requests included
+    max_queued_requests: int = 128  # waiting at the router for a replica; past it 503 + Retry-After
+    request_timeout_s: float = 300.0  # one answer (a stream included), then 504 and its engine row freed
+    drain_timeout_s: float = 60.0  # a replica being removed finishes its requests for up to this long
 
     def served(self) -> list[tuple[int, str]]:
         """(version, role) of every version with a Serve application: the stable one, then the canary."""

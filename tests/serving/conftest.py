@@ -50,3 +50,28 @@ def build_tiny_model(folder, *, hidden: int = 32, layers: int = 1, context: int 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def slow_model_dir(tmp_path_factory):
+    """The tiny Llama with a 4096-position context and two faults built in: its stop tokens' output rows
+    are zero (greedy decoding never ends a sequence early, so a 2000-token request keeps its engine
+    row for seconds), and its embedding is one row short of the tokenizer (a prompt holding the last
+    token id fails its forward pass, as a tokenizer/model mismatch would). BAD_PROMPT is that token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raypai.chat import ChatFormat
+
+    path = build_tiny_model(tmp_path_factory.mktemp("slow-llama"), hidden=128, layers=2, context=4096)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tok) - 1)  # the last id has no embedding (nor output row)
+    with torch.no_grad():
+        model.lm_head.weight[list(ChatFormat.from_pretrained(path, tokenizer=tok).stop_ids)] = 0.0
+    model.save_pretrained(path)
+    assert tok(BAD_PROMPT)["input_ids"] == [len(tok) - 1]
+    return path
+
+
+BAD_PROMPT = "16"  # slow_model_dir's tokenizer encodes it as its last id, which the model lacks

@@ -1,6 +1,14 @@
 """The router's limits over real HTTP (raypai.serving.limits): token and size refused from the
 headers before the body is read, each field limit answered with its status and its name, the
-concurrency per key, and valid requests still answered. One Ray + Serve + deployment for the module."""
+concurrency per key, and valid requests still answered. Then serving under load and faults (issue #38
+items 2-4): a client that disconnects frees its engine row within a second; a full queue answers 503 +
+Retry-After and recovers; a failing request fails alone; a metadata-database outage (fault-injected, on
+SQLite) leaves known tokens and models answered and is caught up after; a revoked token stops within
+the token cache's lifetime.
+
+One Ray + Serve + deployment for the module (starting them is nearly all of its time), serving
+conftest.py's `slow_model_dir`: a 2000-token request keeps its engine row for seconds, and a prompt of
+the tokenizer's last id fails its forward pass."""
 
 import asyncio
 import json
@@ -17,6 +25,7 @@ from ray import serve
 
 from raypai.serving.control import Controller, serve_port
 from raypai.serving.limits import Limits
+from raypai.serving.router import FAULTS_ENV, Freshness, app_name
 from raypai.settings import Settings
 from raypai.tracking import Tracker
 
@@ -24,28 +33,39 @@ BASE = f"http://127.0.0.1:{serve_port()}"
 LIMITS = Limits(max_concurrent_per_key=2)  # the others at their defaults
 HUGE = 200 * 2**20  # the issue's attack: a 200 MB body
 PROXY_HOOK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+TTL_S = 2.0  # the router's token cache lifetime in this module (default 60 s)
+FRESHNESS = Freshness(token_ttl_s=TTL_S, routes_refresh_s=0.5, max_backoff_s=1.0)
+ONGOING, QUEUED = 2, 2  # requests per replica, and waiting at the router (the deployment spec's)
+LONG = {"prompt": "the quick", "max_tokens": 2000, "temperature": 0}  # seconds of decoding
+BAD_PROMPT = "16"  # the tokenizer's last id, past the model's embedding (conftest.py: slow_model_dir)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model_dir):
+def stack(tmp_path_factory, slow_model_dir):
     """(Named `stack` as test_serving.py's, so tests/conftest.py marks its users integration.)"""
     from raypai.store import MetadataStore
 
     home = tmp_path_factory.mktemp("limits-home")
     settings = Settings.load({"RAYPAI_HOME": str(home)})
     tracker = Tracker(settings.mlflow_tracking_uri, artifact_root=home / "mlartifacts")
-    version = tracker.register_model(tiny_model_dir, "tiny")
+    version = tracker.register_model(slow_model_dir, "tiny")
     store = MetadataStore(settings.database_url)
     tokens = {"infer": store.create_token("client", ["infer"]), "other": store.create_token("other", ["infer"])}
-    # Serve's proxy takes its callback from its node's environment, which a local Ray takes from here
+    # one token per held request below (the per-key limit is 2), and two whose story a test follows
+    tokens |= {who: store.create_token(who, ["infer"]) for who in ("held0", "held1", "held2", "held3")}
+    tokens |= {who: store.create_token(who, ["infer"]) for who in ("known", "revoked")}
+    outage = home / "database-down"  # while this file exists, the router's database fails
+    # Serve's proxy takes its callback from its node's environment, which a local Ray takes from here;
+    # so do the replicas their fault injection
     os.environ[PROXY_HOOK] = "raypai.serving.limits.proxy_middlewares"
+    os.environ[FAULTS_ENV] = json.dumps({"down_while_exists": str(outage)})
     try:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     finally:
-        del os.environ[PROXY_HOOK]
-    ctl = Controller(settings, store=store, tracker=tracker, limits=LIMITS)
-    ctl.create("lim", "tiny", version)
-    yield {"tokens": tokens, "store": store}
+        del os.environ[PROXY_HOOK], os.environ[FAULTS_ENV]
+    ctl = Controller(settings, store=store, tracker=tracker, limits=LIMITS, freshness=FRESHNESS)
+    ctl.create("lim", "tiny", version, max_ongoing_requests=ONGOING, max_queued_requests=QUEUED, max_batch_size=4)
+    yield {"tokens": tokens, "store": store, "outage": outage, "app": app_name("lim", version), "ctl": ctl}
     serve.shutdown()
     ray.shutdown()
 
@@ -211,13 +231,13 @@ def test_each_field_limit_answers_400_naming_it(stack, path, extra, param, named
 def test_prompt_tokens_past_the_context_window_answer_400_naming_it(stack):
     r = httpx.post(
         BASE + "/v1/completions",
-        json={"model": "lim", "prompt": "word " * 200, "max_tokens": 8},
+        json={"model": "lim", "prompt": "word " * 5000, "max_tokens": 8},
         headers=_auth(stack),
         timeout=60,
     )
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
-    assert "exceeds the context window of 64 tokens" in err["message"], err
+    assert "exceeds the context window of 4096 tokens" in err["message"], err
 
 
 def test_requests_at_the_limits_are_answered(stack):
@@ -327,3 +347,205 @@ def test_the_router_guard_answers_from_the_headers_without_receiving(tmp_path):
     assert _drive(guard, [huge, good]) == (413, 0)
     assert _drive(guard, [(b"content-length", b"2"), good]) == (200, 2)  # the negative control
     assert not owner.in_flight.count  # every slot given back
+
+
+# ---- back-pressure, cancellation, failures and a database outage (issue #38 items 2-4) --------------
+
+
+def _info(stack) -> dict:
+    return serve.get_app_handle(stack["app"]).info.remote().result(timeout_s=30)
+
+
+def _open(stack, body: dict, who: str = "held0") -> socket.socket:
+    """A completion request sent on a raw socket, left open: the test reads what it wants and closes it
+    (the client disconnecting)."""
+    data = json.dumps({"model": "lim", **body}).encode()
+    head = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    head += [f"Content-Length: {len(data)}", f"Authorization: Bearer {stack['tokens'][who]}"]
+    s = socket.create_connection(("127.0.0.1", serve_port()), timeout=30)
+    s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    return s
+
+
+def _read_events(s: socket.socket, n: int) -> bytes:
+    """Read until `n` server-sent events have arrived (or the stream ends)."""
+    got = b""
+    while got.count(b"data: ") < n:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _wait(cond, timeout: float, every: float = 0.05) -> float:
+    """Seconds until `cond()` held; fails after `timeout`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s"
+        time.sleep(every)
+    return time.monotonic() - t0
+
+
+def _complete(stack, who="infer", **body) -> httpx.Response:
+    body = {"model": "lim", "prompt": "1+2=", "max_tokens": 2, **body}
+    return httpx.post(BASE + "/v1/completions", json=body, headers=_auth(stack, who), timeout=60)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_disconnected_client_frees_its_engine_row_within_a_second(stack, stream):
+    """The replica's engine thread stamps when it drops a cancelled row (`last_cancel_at`, this machine's
+    clock): that, not the polling here (a handle call each, slow on a loaded machine), is timed."""
+    before = _info(stack)["cancelled"]
+    s = _open(stack, {**LONG, "stream": stream})
+    try:
+        if stream:
+            assert b"200 OK" in _read_events(s, 3)  # decoding: deltas arrive
+        _wait(lambda: _info(stack)["active_rows"] == 1, timeout=30)
+    finally:
+        closed = time.time()
+        s.close()
+    seen = _wait(lambda: _info(stack)["active_rows"] == 0, timeout=10)  # a 2000-token request takes longer
+    info = _info(stack)
+    freed = info["last_cancel_at"] - closed
+    print(json.dumps({"stream": stream, "row_freed_after_s": round(freed, 3), "seen_after_s": round(seen, 2)}))
+    assert info["cancelled"] == before + 1 and freed < 1.0, (freed, info)
+    assert info["listeners"] == 0 and info["waiting"] == 0, info
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_recovers(stack):
+    """ONGOING long requests fill the replica, QUEUED more wait at the router: the next is refused at
+    once with 503 + Retry-After instead of waiting behind them; when they go, requests are served."""
+    running = [_open(stack, {**LONG, "stream": True}, f"held{i}") for i in range(ONGOING)]
+    queued = []
+    try:
+        for s in running:
+            assert b"200 OK" in _read_events(s, 2)
+        queued = [_open(stack, {**LONG, "stream": True}, f"held{ONGOING + i}") for i in range(QUEUED)]
+        time.sleep(1.0)  # they reach the router and wait there for a replica slot
+        t0 = time.monotonic()
+        r = _complete(stack)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "overloaded" and "max_queued_requests" in r.text, r.text
+        assert time.monotonic() - t0 < 5  # refused, not queued
+    finally:
+        for s in running + queued:
+            s.close()
+    recovered = _wait(lambda: _complete(stack).status_code == 200, timeout=30, every=0.2)
+    print(json.dumps({"recovered_after_s": round(recovered, 2)}))
+    _wait(lambda: _info(stack)["active_rows"] == 0, timeout=10)
+
+
+def test_a_failing_request_fails_alone(stack):
+    """A prompt whose forward pass fails (a token past the model's embedding) gets a 500 that names no
+    cause, while a stream decoding beside it goes on, row and all."""
+    s = _open(stack, {**LONG, "stream": True})
+    try:
+        assert b"200 OK" in _read_events(s, 3)
+        r = _complete(stack, prompt=BAD_PROMPT)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "reference" in err["message"], err
+        assert "Index" not in r.text and "embedding" not in r.text and "Traceback" not in r.text, r.text
+        more = _read_events(s, 40)
+        assert more.count(b"data: ") >= 40 and b'"error"' not in more, more[-300:]
+        assert _info(stack)["active_rows"] == 1  # the stream's row, still decoding
+        assert _complete(stack).status_code == 200  # and the replica serves others
+    finally:
+        s.close()
+    _wait(lambda: _info(stack)["active_rows"] == 0, timeout=10)
+
+
+def test_a_database_outage_keeps_known_tokens_and_models_answered_then_catches_up(stack):
+    store, h = stack["store"], _auth(stack, "known")
+    assert _complete(stack, "known").status_code == 200  # the router has seen this token
+    stack["outage"].touch()
+    try:
+        time.sleep(TTL_S + 0.5)  # every cached token is past its lifetime: the router must ask, and fails
+        late = store.create_token("late", ["infer"])  # written while the router cannot read
+        from raypai.deployment import DeploymentSpec
+
+        store.save_deployment("ghost", DeploymentSpec(model="tiny", version=1), "running")
+        for _ in range(3):
+            assert _complete(stack, "known").status_code == 200
+            models = httpx.get(BASE + "/v1/models", headers=h, timeout=60)
+            assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["lim"], models.text
+        r = httpx.post(
+            BASE + "/v1/completions",
+            json={"model": "lim", "prompt": "1", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {late}"},
+            timeout=60,
+        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "auth_unavailable", r.text
+        assert "db.internal" not in r.text and "5432" not in r.text and "sqlite" not in r.text.lower(), r.text
+    finally:
+        stack["outage"].unlink()
+    caught_up = _wait(
+        lambda: (
+            httpx.get(BASE + "/v1/models", headers={"Authorization": f"Bearer {late}"}, timeout=60).status_code == 200
+        ),
+        timeout=15,
+        every=0.2,
+    )
+    _wait(lambda: "ghost" in httpx.get(BASE + "/v1/models", headers=h, timeout=60).text, timeout=10, every=0.2)
+    print(json.dumps({"caught_up_after_s": round(caught_up, 2)}))
+    store.delete_deployment("ghost")
+
+
+def test_the_deploy_api_answers_503_naming_the_database_without_its_url(stack, tmp_path):
+    """The deploy API (uvicorn, in this process) on a store whose database fails: 503, the database
+    named as unavailable, no URL, host or driver text; and 200 again once it answers."""
+    import uvicorn
+
+    from raypai.serving.api import create_app
+    from raypai.serving.router import _inject_faults
+    from raypai.store import MetadataStore
+
+    down = tmp_path / "down"
+    store = MetadataStore(stack["store"].url)
+    os.environ[FAULTS_ENV] = json.dumps({"down_while_exists": str(down)})
+    try:
+        _inject_faults(store)
+    finally:
+        del os.environ[FAULTS_ENV]
+    deploy = store.create_token("deployer", ["deploy"])
+    ctl = Controller(stack["ctl"].settings, store=store, tracker=stack["ctl"].tracker, freshness=FRESHNESS)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(ctl.settings, ctl, reconcile=False), host="127.0.0.1", port=port, log_level="error")
+    )
+    threading.Thread(target=server.run, daemon=True).start()
+    api, h = f"http://127.0.0.1:{port}/api/v1/deployments", {"Authorization": f"Bearer {deploy}"}
+    try:
+        _wait(lambda: server.started, timeout=30)
+        down.touch()
+        for r in (httpx.get(api, headers=h, timeout=60), httpx.get(api + "/lim", headers=h, timeout=60)):
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "database_unavailable" and "metadata database is unavailable" in err["message"]
+            assert "db.internal" not in r.text and "5432" not in r.text and str(tmp_path.parent) not in r.text
+        down.unlink()
+        r = httpx.get(api + "/lim", headers=h, timeout=60)
+        assert r.status_code == 200 and r.json()["name"] == "lim", r.text
+    finally:
+        server.should_exit = True
+
+
+def test_a_revoked_token_stops_working_within_the_cache_lifetime(stack):
+    assert _complete(stack, "revoked").status_code == 200  # looked up and cached now
+    stack["store"].revoke_token("revoked")
+    stopped = _wait(lambda: _complete(stack, "revoked", max_tokens=1).status_code == 401, timeout=15, every=0.1)
+    print(json.dumps({"revoked_after_s": round(stopped, 2), "ttl_s": TTL_S}))
+    assert stopped <= TTL_S + 1.0, f"the revoked token still worked {stopped:.2f} s later (lifetime {TTL_S} s)"
+    assert _complete(stack).status_code == 200  # others unaffected
+
+
+def test_the_token_cache_lifetime_defaults_to_a_minute_and_is_read_from_the_environment():
+    from raypai.errors import ConfigError
+
+    assert Freshness().token_ttl_s == 60.0
+    assert Freshness.from_env({"RAYPAI_SERVE_TOKEN_TTL_S": "2"}).token_ttl_s == 2.0
+    with pytest.raises(ConfigError, match="RAYPAI_SERVE_TOKEN_TTL_S='0'"):
+        Freshness.from_env({"RAYPAI_SERVE_TOKEN_TTL_S": "0"})
