@@ -10,6 +10,7 @@ import json
 import pytest
 from sqlalchemy import create_engine, text
 
+from raypai.artifacts import digest_dir
 from raypai.lineage import upstream
 from raypai.pipelines.toy import toy
 from raypai.runner import Runner, tracker_for
@@ -204,16 +205,17 @@ def test_registry_on_the_server_matches_embedded(runs, tmp_path):
         (model / "config.json").write_text('{"model_type": "llama"}')
         (model / "model.safetensors").write_bytes(name.encode() * 4096)
         tracker = tracker_for(s)
+        digest = digest_dir(model)[0]  # a version's digest must be its files' (register_model checks)
         version = tracker.register_model(
             model,
             "toy-model",
             run_id=_child(s, r, "count"),
             alias="champion",
-            tags={"raypai.artifact_id": r.result.id, "raypai.digest": r.result.digest},
+            tags={"raypai.artifact_id": r.result.id, "raypai.digest": digest},
         )
         assert tracker.resolve_model("toy-model", "champion") == (
             version,
-            {"raypai.artifact_id": r.result.id, "raypai.digest": r.result.digest},
+            {"raypai.artifact_id": r.result.id, "raypai.digest": digest},
         )
         shapes[name] = registry_shape(tracker, "toy-model")
         sources[name] = tracker.model_source("toy-model", version)
