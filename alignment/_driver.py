@@ -192,6 +192,8 @@ class Run:
 
         if cfg.lora():
             return BaseOf(policy)
+        if cfg.reference_zero3:
+            kwargs["zero3"] = True
         return self.place_ranks("reference", Reference, model_dir, timeout_s=cfg.collective_timeout_s, **kwargs)
 
     def place_sampling(

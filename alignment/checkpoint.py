@@ -2,9 +2,11 @@
 the reward model and DPO save through `Every`).
 
     folder/critic/   DeepSpeed checkpoint of the critic (PPO only), written first
-    folder/policy/   DeepSpeed checkpoint of the policy: weights + optimizer state, and as client
-                     state the next step, the driver's `random.Random` state (= the data position:
-                     which prompts come next) and every rollout replica's torch RNG state.
+    folder/policy/   DeepSpeed checkpoint of the policy: weights + optimizer state, and in each tag's
+                     `raypai_state.json`/`.npz` (JSON and arrays, never pickled: raypai.checkpoint_io)
+                     the next step, the driver's `random.Random` state (= the data position: which
+                     prompts come next) and every rollout replica's torch RNG state.
+DeepSpeed's own files are read back with `weights_only=True` and an allow-list of its types.
 Each save goes into new folders named by its step (DeepSpeed tags `step-000012`), and the policy's
 `latest` file is replaced atomically after its save finished, so it only ever names a complete
 checkpoint: a process killed in the middle of a save leaves the previous checkpoint intact (the

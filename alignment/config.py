@@ -288,11 +288,14 @@ class Scale(_Part):
     """How a run's model roles spread over ranks (docs/scaling.md). A trained role (the policy, PPO's
     critic, a reward model being trained) is `ranks` data-parallel ranks, one DeepSpeed engine across
     them at the config's ZeRO stage; the frozen reference is `reference_ranks` ranks, each scoring a
-    share of the rows, and the reward (rule functions and a reward model) `reward_ranks`, likewise.
+    share of the rows (`reference_zero3`: each holding a ZeRO-3 partition of its weights, not a copy),
+    and the reward (rule functions and a reward model) `reward_ranks`, likewise.
     Defaults: one rank each, what one machine needs."""
 
     ranks: int = 1
     reference_ranks: int = 1
+    # the reference's ranks hold a ZeRO-3 partition of its weights each (DeepSpeed inference), not a copy
+    reference_zero3: bool = False
     reward_ranks: int = 1
     # rows per forward/backward on a rank: its share of a step's batch runs in micro-batches of this
     # many rows, the gradients accumulated over them (the same update); 0 = the whole share at once

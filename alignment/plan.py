@@ -36,7 +36,7 @@ SCORING_CHUNK = 64
 MAX_RANKS = 64
 FIX_LORA_R = 16
 NO_FIX = (
-    f"no change of ranks (up to {MAX_RANKS}), reference_ranks, rollout_replicas, zero_stage, offload_optimizer, "
+    f"no change of ranks (up to {MAX_RANKS}), reference_ranks, reward_ranks, rollout_replicas, zero_stage, offload_optimizer, "
     "activation_checkpointing, micro_batch or lora_r fits it: use a smaller model, shorter sequences (max_length) "
     "or more memory per rank"
 )
@@ -385,13 +385,16 @@ def _rows(algo: str, models: _Models, cfg, seq: int, env: _Env) -> list[Row]:
         roles.append(("critic", cfg.ranks, _trained(models.get("token_value", "reward"), cfg, units, 1, seq, seq, gpu)))
     if ref_rows and not lora and (algo != "grpo" or cfg.beta > 0):  # LoRA: the policy's base is the reference
         rows = math.ceil(ref_rows / cfg.reference_ranks)
-        roles.append(("reference", cfg.reference_ranks, _frozen(lm, rows, seq, positions, gpu)))
+        shards = cfg.reference_ranks if getattr(cfg, "reference_zero3", False) else 1
+        roles.append(("reference", cfg.reference_ranks, _frozen(lm, rows, seq, positions, gpu, shards)))
     if sampled:
         replicas = getattr(cfg, "rollout_replicas", 1)
         roles.append(("rollout", replicas, _rollout(lm, cfg, math.ceil(sampled / replicas), seq, gpu)))
     if algo in ("grpo", "ppo") and models.dirs["reward"] and cfg.reward_model_weight:
-        # the Reward actor stays on CPUs (fp32) and scores every sample of a step
-        roles.append(("reward", 1, _frozen(models.get("score", "reward"), sampled, seq, seq, False)))
+        # the Reward ranks stay on CPUs (fp32), each scoring a share of a step's samples
+        ranks = getattr(cfg, "reward_ranks", 1)
+        rows = math.ceil(sampled / ranks)
+        roles.append(("reward", ranks, _frozen(models.get("score", "reward"), rows, seq, seq, False)))
     total_ranks = sum(r[1] for r in roles)
     out = []
     for role, ranks, (kinds, host, note, device) in roles:
@@ -445,13 +448,14 @@ def _trained(s: Shape, cfg, units: int, per_unit: int, seq: int, positions: int,
     return _ints(kinds), int(host), note, "cuda" if gpu else "cpu"
 
 
-def _frozen(s: Shape, rows: int, seq: int, positions: int, gpu: bool):
+def _frozen(s: Shape, rows: int, seq: int, positions: int, gpu: bool, shards: int = 1):
     """An inference role (reference, reward model): bf16 weights on a GPU, fp32 on the CPU; no
-    gradients, so one block's values at a time and the logits of its rows."""
+    gradients, so one block's values at a time and the logits of its rows. `shards` > 1: ZeRO-3
+    inference, each rank holding 1/shards of the weights plus the largest module while it is gathered."""
     vb = 2 if gpu else 4
     fp32, low = block_values(s, seq)
     kinds = dict.fromkeys(KINDS, 0)
-    kinds["params"] = s.params * vb
+    kinds["params"] = s.params * vb if shards == 1 else (math.ceil(s.params / shards) + s.largest_module) * vb
     kinds["activations"] = rows * seq * (4 * fp32 + vb * low)
     kinds["logits"] = rows * positions * (1 if s.head else s.vocab) * (4 + vb)
     return _ints(kinds), 0, f"{rows} rows per call", "cuda" if gpu else "cpu"
@@ -539,7 +543,10 @@ def _options(algo: str, cfg) -> dict:
 # within one set of changed fields the least change wins: fewer ranks, a lower stage, a larger micro-batch
 def _least(changes: dict) -> tuple:
     return (
-        changes.get("ranks", 0) + changes.get("reference_ranks", 0) + changes.get("rollout_replicas", 0),
+        changes.get("ranks", 0)
+        + changes.get("reference_ranks", 0)
+        + changes.get("reward_ranks", 0)
+        + changes.get("rollout_replicas", 0),
         changes.get("zero_stage", 0),
         changes.get("offload_optimizer", False),
         -(changes.get("micro_batch", 0) or 10**9),
@@ -561,7 +568,11 @@ def _fixes(algo: str, models: _Models, cfg, seq: int, env: _Env, most: int = 6) 
         if (view.offload_optimizer and view.zero_stage < 1) or (view.zero_stage == 3 and view.lora_r):
             continue  # the config refuses these (config.Scale)
         rows = _rows(algo, models, view, seq, env)
-        for role, name in (("reference", "reference_ranks"), ("rollout", "rollout_replicas")):
+        for role, name in (
+            ("reference", "reference_ranks"),
+            ("reward", "reward_ranks"),
+            ("rollout", "rollout_replicas"),
+        ):
             # rows shared by more ranks (each still holds the whole model); online DPO has one replica
             while (
                 hasattr(cfg, name)

@@ -1,8 +1,8 @@
 """Checkpoints of the full training state, saved through `ray.train.report` into the run's storage.
 
 A checkpoint folder holds DeepSpeed's files (`state/`: module weights, at ZeRO-3 each rank's
-partition of them, this rank's ZeRO optimizer partition, lr scheduler), one `rng-rank{r}.pt` per
-worker and `data_position.json` (the next optimizer step; with `data.BlockOrder` that step fixes
+partition of them, this rank's ZeRO optimizer partition, lr scheduler; read back with
+`weights_only=True`, raypai.checkpoint_io), one `rng-rank{r}.json`/`.npz` per worker (never pickled) and `data_position.json` (the next optimizer step; with `data.BlockOrder` that step fixes
 every block each worker reads next). The final checkpoint also holds `metrics.json`, the finished
 run's metrics, so that a run resumed at its last step (called again by name, or its worker group
 restarted after the final report) reports them again instead of an empty window.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 
+from raypai.checkpoint_io import read_state, write_state
 from raypai.errors import TrainError
 from raypai.train import _fs
 
@@ -63,9 +65,8 @@ def _new_folder() -> Path:
 
 def _write_small_files(folder: Path, *, next_step: int, rank: int, rng: dict | None = None) -> None:
     """This rank's RNG state (`rng`: one captured earlier; default: now) and the data position."""
-    import torch
 
-    torch.save(rng if rng is not None else _rng_state(), folder / f"rng-rank{rank}.pt")
+    write_state(folder, rng if rng is not None else _rng_state(), name=f"rng-rank{rank}")
     (folder / DATA_POSITION).write_text(json.dumps({"next_step": next_step}))
 
 
@@ -74,6 +75,15 @@ def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False, metric
     where it exists). `with_hf`: rank 0 also writes the model as a Hugging Face folder in `hf/`;
     `metrics`: the finished run's metrics, written into the final checkpoint by rank 0."""
     folder = _new_folder()
+    try:
+        _snapshot_into(folder, engine, next_step=next_step, rank=rank, with_hf=with_hf, metrics=metrics)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # a failed snapshot leaves nothing in /dev/shm
+        raise
+    return folder
+
+
+def _snapshot_into(folder: Path, engine, *, next_step: int, rank: int, with_hf: bool, metrics: dict | None) -> None:
     engine.save_checkpoint(str(folder), tag=TAG)
     _write_small_files(folder, next_step=next_step, rank=rank)
     if metrics is not None and rank == 0:
@@ -83,7 +93,6 @@ def snapshot(engine, *, next_step: int, rank: int, with_hf: bool = False, metric
         (folder / FINAL_METRICS).write_text(json.dumps(metrics, default=float))
     if with_hf:
         save_hf(engine, folder / "hf", rank)
-    return folder
 
 
 def save_hf(engine, folder: Path, rank: int) -> None:
@@ -199,6 +208,9 @@ class AsyncCheckpointer:
         self.engine.checkpoint_engine = snap = _MemorySnapshotEngine(real, folder, self.buffers)
         try:
             self.engine.save_checkpoint(str(folder), tag=TAG)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # a failed snapshot leaves nothing in /dev/shm
+            raise
         finally:
             self.engine.checkpoint_engine = real
         small = {"folder": folder, "next_step": next_step, "rank": self.rank, "rng": _rng_state()}  # RNG: a copy, now
@@ -252,6 +264,7 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self._thread.join()
         if self._error is not None:
+            shutil.rmtree(self._pending[0], ignore_errors=True)
             raise TrainError(f"writing checkpoint {self._pending[0]} failed: {self._error}") from self._error
         folder, metrics, next_step = self._pending
         self._pending = None
@@ -293,7 +306,6 @@ def _local_copy(checkpoint, rank: int):
 def restore(engine, checkpoint, rank: int) -> tuple[int, dict | None]:
     """Load the state of `checkpoint` (a `ray.train.Checkpoint`) into `engine`; return the next step
     and, for a final checkpoint, the finished run's metrics (None otherwise)."""
-    import torch
 
     with _local_copy(checkpoint, rank) as d:
         d = Path(d)
@@ -301,9 +313,9 @@ def restore(engine, checkpoint, rank: int) -> tuple[int, dict | None]:
             raise TrainError(f"checkpoint {checkpoint.path} has no {DATA_POSITION}; it was not written by raypai")
         engine.load_checkpoint(str(d), tag=TAG)
         next_step = json.loads((d / DATA_POSITION).read_text())["next_step"]
-        rng_file = d / f"rng-rank{rank}.pt"
-        if rng_file.exists():  # absent when the worker count changed: keep the fresh seed
-            _set_rng(torch.load(rng_file, weights_only=False))
+        rng = read_state(d, name=f"rng-rank{rank}")
+        if rng is not None:  # absent when the worker count changed: keep the fresh seed
+            _set_rng(rng)
         final = json.loads((d / FINAL_METRICS).read_text()) if (d / FINAL_METRICS).exists() else None
     return next_step, final
 

@@ -57,6 +57,7 @@ def train_loop(loop_cfg: dict) -> None:
     import ray.train
     import torch
 
+    from raypai.checkpoint_io import guard_engine
     from raypai.train import checkpoint
     from raypai.train._deepspeed import import_deepspeed
     from raypai.train.clipping import clip, take_clipping
@@ -99,6 +100,7 @@ def train_loop(loop_cfg: dict) -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=conf, dist_init_required=False
     )
+    guard_engine(engine)  # checkpoints are read with weights_only=True (raypai.checkpoint_io)
     order = BlockOrder(len(train), cfg.seed)
 
     start_step, finished = 0, None

@@ -3,6 +3,10 @@ the fused kernel; CUDA: NCCL, and the role runs its forward under bf16 autocast,
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from raypai.train._deepspeed import import_deepspeed
 from raypai.train.clipping import PARAMS_ATTR, clip, grad_norm, take_clipping
 
@@ -56,6 +60,8 @@ def make_engine(model, *, lr: float, conf: dict, weight_decay: float = 0.0, use_
     process has joined (`roles._ranks.join`)."""
     import torch
 
+    from raypai.checkpoint_io import guard_engine
+
     deepspeed = import_deepspeed()
     # torch's fused AdamW kernel (one pass over each tensor; the same update as the default loop), on
     # CPU and CUDA alike. The weights stay fp32 on a GPU too: the role's bf16 autocast is the mixed
@@ -68,6 +74,7 @@ def make_engine(model, *, lr: float, conf: dict, weight_decay: float = 0.0, use_
     max_norm = take_clipping(conf)  # fp32 ZeRO 0: raypai clips and keeps the norm (raypai.train.clipping)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf, dist_init_required=False)
     engine.raypai_max_norm = max_norm
+    guard_engine(engine)  # checkpoints are read with weights_only=True
     if zero_stage == 0 and torch.distributed.get_world_size() == 1:
         # a role is one process: DeepSpeed's data-parallel gradient all-reduce would flatten every
         # gradient, all-reduce it with itself and copy it back at each step, an identity that costs
@@ -126,6 +133,15 @@ class Sleeps:
 
         if self.device is None or self.device.type == "cpu" or self._slept is not None:
             return {"offload_bytes": 0, "offload_seconds": 0.0}
+        if self.engine.zero_optimization_partition_weights():
+            # ZeRO-3: the parameters' `.data` are empty placeholders and the state lives in the
+            # optimizer's flat partitions, which DeepSpeed's own offload moves (and reloads)
+            t0 = time.perf_counter()
+            moved = _zero3_state_bytes(self.engine)
+            self.engine.offload_states(pin_memory=True)
+            torch.cuda.synchronize()
+            self._slept = "zero3"
+            return {"offload_bytes": moved, "offload_seconds": time.perf_counter() - t0}
         self._slept = sleep(self.engine.module, self.engine.optimizer)
         return {"offload_bytes": self._slept.bytes, "offload_seconds": self._slept.seconds}
 
@@ -133,8 +149,28 @@ class Sleeps:
         """Back on the GPU, bitwise as before `sleep` (seconds; 0 when awake)."""
         if self._slept is None:
             return 0.0
+        if self._slept == "zero3":
+            t0 = time.perf_counter()
+            self.engine.reload_states()
+            torch.cuda.synchronize()
+            self._slept = None
+            return time.perf_counter() - t0
         seconds, self._slept = self._slept.wake(), None
         return seconds
+
+
+def _zero3_state_bytes(engine) -> int:
+    """Bytes of this rank's ZeRO-3 partitions: parameters, and the optimizer's fp32 copy and state."""
+    params = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
+    opt = engine.optimizer
+    flat = sum(t.numel() * t.element_size() for t in getattr(opt, "fp32_partitioned_groups_flat", []))
+    state = sum(
+        v.numel() * v.element_size()
+        for st in getattr(opt, "optimizer", opt).state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return params + flat + state
 
 
 def set_mode(engine, training: bool) -> None:

@@ -29,6 +29,7 @@ from raypai.alignment.roles import _ranks
 from raypai.alignment.roles._device import DTYPES, autocast, role_device
 from raypai.alignment.roles._engine import Sleeps, engine_config, make_engine, set_mode, without_dropout
 from raypai.alignment.roles._engine import step as engine_step
+from raypai.checkpoint_io import read_state, write_state
 
 # CPU updates use one more thread per this many FLOPs of a step (6 × parameters × tokens): under it a
 # step is many small operations whose fork/join costs more than the split saves, and the second core
@@ -520,19 +521,20 @@ class Trainer(Sleeps):
 
         # with LoRA the base weights are the starting folder's: only the adapters (and their optimizer
         # state) are saved
-        self.engine.save_checkpoint(
-            folder,
-            tag=tag,
-            client_state=client_state or {},
-            save_latest=False,
-            exclude_frozen_parameters=self.lora is not None,
-        )
+        self.engine.save_checkpoint(folder, tag=tag, save_latest=False, exclude_frozen_parameters=self.lora is not None)
+        if self.rank == 0:
+            # the driver's state as JSON + npz beside DeepSpeed's files, never pickled (raypai.checkpoint_io)
+            write_state(Path(folder) / tag, client_state or {})
         if self.ranks > 1:
             torch.distributed.barrier()  # every rank's shard is written before `latest` names the tag
         if self.rank == 0:
             commit(folder, tag, keep=keep, point_latest=point_latest)
 
     def load_checkpoint(self, folder: str, tag: str | None = None) -> dict:
-        """Load the checkpoint `tag` (None: the one `latest` names); returns its client state."""
-        _, client_state = self.engine.load_checkpoint(folder, tag=tag, load_module_strict=self.lora is None)
-        return client_state or {}
+        """Load the checkpoint `tag` (None: the one `latest` names); returns the state the driver saved
+        with it. DeepSpeed's files are read with weights_only=True (`raypai.checkpoint_io.guard_engine`)."""
+        from raypai.alignment.checkpoint import latest_tag
+
+        tag = tag or latest_tag(folder)
+        self.engine.load_checkpoint(folder, tag=tag, load_module_strict=self.lora is None)
+        return read_state(Path(folder) / tag) or {}

@@ -153,6 +153,25 @@ def test_two_rank_reference_gives_the_one_rank_logprobs(ray8, tiny_model):
     assert (out[0] != 0).any()
 
 
+def test_zero3_reference_ranks_hold_half_the_weights_and_give_the_same_logprobs(ray8, tiny_model):
+    """ZeRO-3 inference: 2 ranks, each holding about half the weights (never the whole model), give
+    the 1-rank log-probs; 7 rows and 1 row (one rank idles but still runs the forward's gathers)."""
+    batch, one_row = batches(tiny_model, [7, 1])
+    with Run("ref1", {"reference": RoleSpec(cpus=0.5)}) as run:
+        ref = run.place_reference(tiny_model, DPOConfig(), policy=None)
+        want, want_one, whole = ray.get(
+            [ref.logprobs.remote(batch), ref.logprobs.remote(one_row), ref.param_bytes.remote()]
+        )
+    with Run("ref3", {"reference": RoleSpec(cpus=0.5, replicas=2)}) as run:
+        ref = run.place_reference(tiny_model, DPOConfig(reference_ranks=2, reference_zero3=True), policy=None)
+        got, got_one = ray.get(ref.logprobs.remote(batch)), ray.get(ref.logprobs.remote(one_row))
+        held = ray.get([a.param_bytes.remote() for a in ref.actors])
+    assert got.shape == want.shape and got_one.shape == want_one.shape
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    assert torch.allclose(got_one, want_one, atol=1e-5)
+    assert all(h < 0.6 * whole for h in held) and sum(held) >= 0.99 * whole, (held, whole)
+
+
 def test_two_rank_reward_scores_as_one_rank_and_fails_as_one(ray8, tiny_model, tmp_path):
     """Rule functions and a reward model, 5 rows over 2 ranks (3 + 2): the scores of one rank, in row
     order; a function that fails on a row of the second rank's share fails the call on every rank
