@@ -1,12 +1,14 @@
 """A real pipeline run against a PostgreSQL metadata database whose URL carries a canary password
 (issue #37 item 5): the run works (the workers reach the database through the 0600 pgpass file), and
-the password is in no Ray runtime_env, worker environment, MLflow param or tag, and no log line of
-the run or of the Ray session. The local PostgreSQL uses trust auth, so any password connects."""
+the password is in no Ray runtime_env, worker environment, MLflow param or tag, no log line of
+the run or of the Ray session, and not in what `raypai show` prints. The local PostgreSQL uses trust auth, so any password connects."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from raypai import Runner, StepContext, pipeline, step
@@ -85,3 +87,14 @@ def test_a_pipeline_run_leaves_the_password_nowhere(pg_url, tmp_path, monkeypatc
     assert _files_with(home / "logs", CANARY) == []  # the run's own log
     assert any("probe step connected to" in p.read_text(errors="replace") for p in (session / "logs").rglob("*.out"))
     assert _files_with(home, CANARY) == [str(home / "secrets" / "pgpass")]  # the one 0600 file that holds it
+
+    # `raypai show RUN` prints the run's parameters (the store keeps them as given, for resume)
+    show = subprocess.run(
+        [sys.executable, "-m", "raypai.cli", "show", res.run_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "1000"},
+    )
+    assert show.returncode == 0, show.stdout + show.stderr
+    assert "dsn" in show.stdout and CANARY not in show.stdout + show.stderr

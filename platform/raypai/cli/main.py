@@ -144,7 +144,10 @@ def show(
     if openlineage:
         print(json.dumps(openlineage_events(store, r["id"]), indent=1))
         return
-    console.print(f"[bold]run {r['id']}[/] of {r['pipeline']}: {r['state']}  params={escape(json.dumps(r['params']))}")
+    from raypai.credentials import redact_params
+
+    shown = escape(json.dumps(redact_params(r["params"])))  # a password given as a parameter stays unprinted
+    console.print(f"[bold]run {r['id']}[/] of {r['pipeline']}: {r['state']}  params={shown}")
     if r["origin_run_id"]:
         console.print(f"resumed from {r['origin_run_id']}")
     steps = store.step_runs(r["id"])
