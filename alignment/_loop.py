@@ -3,6 +3,7 @@ section timer and the run summary."""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -217,6 +218,22 @@ def rl_summary(eval_before: float, eval_after: float, history: list[dict], keys)
         "steps_run": len(history),
         "samples_per_s": throughput(history),
         **mean_of(history, keys),
+        **sync_spread(history),
+    }
+
+
+def sync_spread(history: list[dict]) -> dict:
+    """How steady the weight sync was: its median and 99th percentile over the steps (nearest rank)
+    and its share of the steps' wall time (`sync_share`), where the steps logged `sync_seconds`."""
+    vals = sorted(h["sync_seconds"] for h in history if "sync_seconds" in h)
+    if not vals:
+        return {}
+    rank = lambda q: vals[min(len(vals) - 1, max(0, math.ceil(q * len(vals)) - 1))]  # noqa: E731
+    wall = sum(h.get("step_seconds", 0.0) for h in history if "sync_seconds" in h)
+    return {
+        "p50_sync_seconds": rank(0.5),
+        "p99_sync_seconds": rank(0.99),
+        "sync_share": sum(vals) / wall if wall > 0 else 0.0,
     }
 
 

@@ -179,6 +179,7 @@ def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_pa
         rewards=["raypai.alignment.tasks.arithmetic:exact_match_reward"],
     )
     assert g["eval_reward_after"] > g["eval_reward_before"], g
+    assert 0 <= g["p50_sync_seconds"] <= g["p99_sync_seconds"] and 0 <= g["sync_share"] < 1, g
     assert order.waited_first() == list(range(1, 30))  # synchronous: every update is waited for in turn
     # and queued behind its samples and their scores with no round trip through the driver
     assert order.submitted_before_its_samples_were_waited_for() == [True] * 30

@@ -98,3 +98,16 @@ def test_dpo_and_sft_loss_sums_add_up_across_pairs_and_rows(tiny_model):
     # a mean of the parts' means is not the token mean (the rows have different lengths): normalisers matter
     mean_of_means = sum(p.total / p.normaliser for p in sft_parts) / 2
     assert not torch.allclose(mean_of_means, sft_full.total / sft_full.normaliser, atol=1e-4)
+
+
+def test_sync_spread_reports_the_median_p99_and_share_of_the_sync():
+    from raypai.alignment._loop import sync_spread
+
+    history = [{"sync_seconds": s, "step_seconds": 1.0} for s in [0.01] * 98 + [0.05, 2.0]]
+    out = sync_spread(history)
+    assert out["p50_sync_seconds"] == 0.01
+    assert out["p99_sync_seconds"] == 0.05  # the 99th of 100 by nearest rank: one outlier is not p99
+    assert out["sync_share"] == pytest.approx((0.98 + 0.05 + 2.0) / 100)
+    spiky = sync_spread([{"sync_seconds": s, "step_seconds": 1.0} for s in [0.01] * 90 + [0.9] * 10])
+    assert spiky["p99_sync_seconds"] == 0.9 and spiky["p99_sync_seconds"] > 2 * spiky["p50_sync_seconds"]
+    assert sync_spread([{"loss": 1.0}]) == {}
