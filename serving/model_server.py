@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -77,6 +78,8 @@ class ModelServer:
         # at most Serve's max_ongoing_requests per replica are in here (the deployment spec bounds it)
         self.inbox: queue.Queue = queue.Queue()  # (key, GenRequest) waiting for the engine thread
         self.cancels: queue.Queue = queue.Queue()  # keys whose callers went away (engine thread drains it)
+        # one thread: a fast tokenizer used from two threads at once can fail ("Already borrowed")
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raypai-tokenize")
         self.waiting = 0  # requests the engine thread holds but has not admitted (read by info())
         self.cancelled, self.last_cancel_at = 0, None  # requests dropped after their callers left; when (epoch s)
         self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
@@ -116,8 +119,7 @@ class ModelServer:
     async def generate(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
         """One completion: `req` carries the sampling settings, `prompt` or `messages` the text.
         Returns when this request's sequence finishes, whatever its batch-mates still have to do."""
-        # tokenizing (a chat template is Jinja, a long prompt is many BPE merges) blocks: a worker thread
-        prepared = await asyncio.to_thread(self._prepare, req, prompt, messages)
+        prepared = await self._prepared(req, prompt, messages)
         key, q = self._submit(prepared)
         try:
             return await self._result(q)
@@ -126,7 +128,7 @@ class ModelServer:
 
     async def stream(self, req: GenRequest, prompt: str | None = None, messages: list[dict] | None = None):
         """Text deltas as tokens are decoded, then the GenResult."""
-        prepared = await asyncio.to_thread(self._prepare, req, prompt, messages)
+        prepared = await self._prepared(req, prompt, messages)
         key, q = self._submit(dataclasses.replace(prepared, stream=True))
         try:
             while True:
@@ -140,6 +142,12 @@ class ModelServer:
                     return
         finally:
             self._forget(key)  # the client disconnected mid-stream: Serve cancels this generator
+
+    async def _prepared(self, req: GenRequest, prompt: str | None, messages: list[dict] | None) -> GenRequest:
+        """`_prepare` in the tokenizing thread: a chat template is Jinja and a long prompt many BPE
+        merges, which would otherwise hold the event loop every request of the replica shares."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizing, self._prepare, req, prompt, messages)
 
     def check_health(self) -> None:
         """Serve calls this every few seconds; raising makes Serve replace the replica."""

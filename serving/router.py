@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RayServeException
 
 from raypai.deployment import DeploymentSpec
 from raypai.errors import ConfigError
@@ -254,7 +254,7 @@ class Router:
             except Exception:  # noqa: BLE001 - logged; the last good table stays
                 failures += 1
 
-    async def _resolve(self, name: str):
+    async def _resolve(self, name: str, fresh: bool = False):
         routes = await self._routes()
         spec = routes.get(name)
         if spec is None:
@@ -263,7 +263,24 @@ class Router:
                 404, f"model {name!r} does not exist (deployed models: {known})", code="model_not_found", param="model"
             )
         version = pick_version(spec, self.rng)
-        return serve.get_app_handle(app_name(name, version)), f"{spec.model}/{version}", version, spec
+        try:
+            handle = serve.get_app_handle(app_name(name, version))
+        except RayServeException:
+            # deleted since the table was read (a rollback or promotion removes the old version's
+            # application right after writing the new table): read the table again, once
+            if fresh:
+                raise APIError(
+                    503,
+                    f"model {name!r} is changing version; retry shortly",
+                    code="replica_unavailable",
+                    headers={"retry-after": "1"},
+                ) from None
+            try:
+                await self._refresh()
+            except Exception:  # noqa: BLE001 - logged by _refresh
+                pass
+            return await self._resolve(name, fresh=True)
+        return handle, f"{spec.model}/{version}", version, spec
 
     @app.get("/v1/models")
     async def models(self, request: Request):

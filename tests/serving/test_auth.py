@@ -63,3 +63,46 @@ def test_unknown_and_wrong_scope_tokens_are_refused(tmp_path):
     with pytest.raises(APIError) as err:
         asyncio.run(check.check(_request(token), "infer"))
     assert err.value.status_code == 403 and "'infer'" in err.value.detail
+
+
+class DownStore(MetadataStore):
+    """The real SQLite store whose server stops answering when `down` is set; counts the lookups tried."""
+
+    down, tries = False, 0
+
+    def lookup_token(self, token):
+        self.tries += 1
+        if self.down:
+            from sqlalchemy.exc import OperationalError
+
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("db.internal:5432 refused"))
+        return super().lookup_token(token)
+
+
+def test_an_outage_keeps_known_tokens_backs_off_and_a_revocation_lands_once_it_answers(tmp_path):
+    """Lifetime 0.2 s. Down: a token seen before keeps its last answer (even past its lifetime), one never
+    seen gets 503; after a failed lookup the database is not asked again for 1 s (back-off), so a burst
+    of requests costs one failed round trip. Up again: a token revoked meanwhile is refused."""
+    import pytest
+
+    from raypai.serving.errors import APIError
+
+    store = DownStore(f"sqlite:///{tmp_path}/meta.db")
+    known, unseen = store.create_token("known", ["infer"]), store.create_token("unseen", ["infer"])
+    check = TokenCheck(store, ttl_s=0.2)
+    assert asyncio.run(check.check(_request(known), "infer")) == "known"
+    store.down = True
+    time.sleep(0.3)  # past the lifetime: the next check asks the database, which fails
+    tries = store.tries
+    for _ in range(5):
+        assert asyncio.run(check.check(_request(known), "infer")) == "known"
+    assert store.tries == tries + 1  # one failed lookup, then the back-off
+    with pytest.raises(APIError) as err:
+        asyncio.run(check.check(_request(unseen), "infer"))
+    assert err.value.status_code == 503 and "db.internal" not in err.value.detail
+    store.revoke_token("known")  # written while the check cannot read (as another process would)
+    store.down = False
+    time.sleep(1.1)  # the back-off ends
+    with pytest.raises(APIError) as err:
+        asyncio.run(check.check(_request(known), "infer"))
+    assert err.value.status_code == 401
