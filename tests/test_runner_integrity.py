@@ -20,7 +20,8 @@ def test_a_truncated_output_is_no_cache_hit_and_show_names_the_file(raypai_home)
 
     with open(f, "r+b") as fh:
         fh.truncate(size // 2)
-    again = Runner(raypai_home).run(toy.build(n=6))
+    events: list[dict] = []
+    again = Runner(raypai_home, progress=events.append).run(toy.build(n=6))
     states = {n: s.state for n, s in again.steps.items()}
     # write_text runs again; its save of the same content replaces the damaged copy, so the steps
     # after it (same input digest, whole outputs) are still hits
@@ -29,3 +30,5 @@ def test_a_truncated_output_is_no_cache_hit_and_show_names_the_file(raypai_home)
     reason = MetadataStore(raypai_home.database_url).get_step_run(again["write_text"].step_run_id)["cache_reason"]
     assert f"text.txt is {size // 2} bytes, {size} were recorded" in reason, reason
     assert reason.startswith("cache miss:"), reason
+    damaged = [e for e in events if e["event"] == "artifact_damaged"]  # said while the run goes, too
+    assert [e["node"] for e in damaged] == ["write_text"] and damaged[0]["reason"] == reason

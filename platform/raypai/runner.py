@@ -2,8 +2,8 @@
 
 Per step: cache key = sha256 over its components (raypai.cachekey: step source, params and input
 digests, the code of the project modules it imports, library and raypai versions); a finished
-step run with the same key whose outputs still exist is reused (state `cached`), and the step run
-records why it was or was not a hit. Failed
+step run with the same key whose outputs are still whole (committed, each file the size its marker
+records) is reused (state `cached`), and the step run records why it was or was not a hit. Failed
 steps retry with exponential backoff; their descendants are skipped, independent branches finish.
 """
 
@@ -254,7 +254,7 @@ class Runner:
         parts = self.cache_components(run_id, dag, node, inputs)
         key = cache_key(parts)
         params = {k: _jsonable(v) for k, v in inputs.items() if not _has_artifact(v)}
-        hit, reason = self._cache_lookup(key, spec.cache or origin_run_id is not None, spec.cache_check)
+        hit, reason = self._cache_lookup(key, spec.cache or origin_run_id is not None, spec.cache_check, node=node)
         self.file_digests.save()  # raw sources checked by the lookup
         if reason is None:
             reason = self._explain_miss(dag, node, parts, params)
@@ -282,7 +282,7 @@ class Runner:
             return srid, res
         return srid, None
 
-    def _cache_lookup(self, key: str, allowed: bool, check=None) -> tuple[dict | None, str | None]:
+    def _cache_lookup(self, key: str, allowed: bool, check=None, *, node: str = "") -> tuple[dict | None, str | None]:
         """(the reusable earlier step run or None, why; None when a miss is still to be explained)."""
         if not allowed:
             return None, "cache off: the step is declared with cache=False"
@@ -295,10 +295,13 @@ class Runner:
             # write, a disk that lost blocks), or raw sources moved or edited: run again
             problems = _problems(self.artifacts, art, self.file_digests)
             if problems:
-                return None, (
+                reason = (
                     f"cache miss: run {src['run_id'][:8]} step {src['node']} had the same key, but its output "
                     f"{name} ({art.kind} {art.digest[:12]}…) at {art.uri} cannot be reused: {'; '.join(problems[:3])}"
                 )
+                if art.kind != "source" and "gone" not in problems[0]:  # damaged, not deleted: say so now
+                    self.progress({"event": "artifact_damaged", "node": node, "reason": reason})
+                return None, reason
         # the raw files it registered while it ran (ctx.register_source) must still hold what it read
         for art in self.store.inputs_of(src["id"]).values():
             if art.kind == "source" and _problems(self.artifacts, art, self.file_digests):
@@ -554,6 +557,8 @@ def _print_progress(event: dict) -> None:
         )
     elif kind == "step_started":
         print(f"  ▶ {event['node']} started", flush=True)
+    elif kind == "artifact_damaged":
+        print(f"  ! {event['node']}: {event['reason']}", flush=True)
     elif kind == "step_retry":
         print(f"  ↻ {event['node']} retry {event['attempt']} in {event['delay_s']:.1f}s: {event['error']}", flush=True)
     elif kind == "step_finished":

@@ -76,6 +76,8 @@ class Progress:
         elif kind == "worker_log":
             if self.verbose:
                 self.console.print(f"[dim]{escape(event['line'])}[/]", soft_wrap=True, highlight=False)
+        elif kind == "artifact_damaged":  # a committed output whose files' sizes changed: not reused
+            self.console.print(f"{el}   [yellow]![/] {event['node']}: {escape(event['reason'])}", soft_wrap=True)
         elif kind == "step_retry":
             self.console.print(
                 f"{el}   [yellow]↻[/] {event['node']} retry {event['attempt']} in "
