@@ -78,6 +78,7 @@ def test_artifacts_edges_cache_lookup_and_lineage(db_url):
     assert hit["step_run"]["id"] == s1 and hit["outputs"]["output"].id == ds.id
     assert store.find_cached("nope") is None
     assert store.get_artifact(ds.id[:8]).name == "clean"
+    assert store.get_artifact(ds.uri).id == ds.id == store.get_artifact(ds.uri + "/").id  # `raypai verify URI`
     tree = upstream(store, tok.id)
     assert tree["produced_by"]["node"] == "tok"
     assert [a["name"] for a in sources(tree)] == ["raw"]
