@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install lint test test-fast test-floor test-vllm demo demo-stop bench clean
+.PHONY: install lint test test-scale test-fast test-floor test-vllm demo demo-stop bench clean
 
 # The last line: DeepSpeed JIT-compiles its CPU shared-memory comm op the first time a process group
 # starts (~30 s on 2 cores, then cached under ~/.cache/torch_extensions); built here, with the other
@@ -49,8 +49,14 @@ PG_ENV := if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE
 	fi
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
+# `make test`: every test but the scale drills (tests/conftest.py's `scale` files: DeepSpeed ranks,
+# multi-worker pretraining, a 2-node cluster, the production services run), which `make test-scale`
+# runs; CI (.ci/run) runs both.
 test: $(STAMP)
-	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=60 $(XDIST)
+	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=60 -m "not scale" $(XDIST)
+
+test-scale: $(STAMP)
+	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=30 -m scale $(XDIST)
 
 # The inner loop: every test that needs no Ray, Serve or process of its own (tests/conftest.py's
 # `--fast`: the `integration` tests are left out, and one that starts Ray or a process anyway is

@@ -88,6 +88,7 @@ def _needs_postgres(item) -> bool:
 _LONGEST_FIRST = (
     "alignment/test_families.py",
     "train/test_pretrain.py",
+    "alignment/test_ranks.py",
     "alignment/test_algorithms.py",
     "serving/test_serving.py",
     "e2e/test_tinychat.py",
@@ -105,6 +106,18 @@ _LONGEST_FIRST = (
     "train/test_cli_train.py",
 )
 _TESTS = Path(__file__).resolve().parent
+
+# Scale drills: several processes of one job (DeepSpeed ranks, Ray Train worker groups, a 2-node
+# cluster, the run on the production services), each test minutes long. `make test` leaves them to
+# `make test-scale`, which CI runs too (.ci/run): the `scale` marker.
+_SCALE_FILES = frozenset(
+    {
+        "alignment/test_ranks.py",
+        "train/test_pretrain.py",
+        "infra/test_local_cluster.py",
+        "infra/test_production_run.py",
+    }
+)
 
 
 def _file_rank(item) -> int:
@@ -227,6 +240,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=_PG_SKIP))
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+        if item.path.relative_to(_TESTS).as_posix() in _SCALE_FILES:
+            item.add_marker(pytest.mark.scale)
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
             if fast:
