@@ -1,29 +1,37 @@
-"""Alignment throughput: raypai (policy, rollout, reference, reward as Ray actors) vs TRL's
-single-process trainers, same model, prompts, lengths and CPU, in one run.
+"""Alignment throughput, raypai against TRL, every row in its own process (issue #36 item 4).
 
-    .venv/bin/python benchmarks/align_grpo.py                    # ≈ 10 min on 2 cores; one JSON line per run, then summaries
-    .venv/bin/python benchmarks/align_grpo.py --steps 3 --batches 1x8 --rounds 1   # smoke run
-    .venv/bin/python benchmarks/align_grpo.py --only dpo
+    .venv/bin/python benchmarks/align_grpo.py                     # both workloads, 3 rounds: ≈ 60-75 min on 2 quiet cores
+    .venv/bin/python benchmarks/align_grpo.py --smoke             # every kind of row once, tiny: a few minutes
+    .venv/bin/python benchmarks/align_grpo.py --workload compute --only grpo --rounds 1
+    .venv/bin/python benchmarks/align_grpo.py --workload toy --variants '' --trl-threads 1,2   # headline rows only
 
-GRPO workload (issue #14): a random-init Llama (vocab 512, hidden 128, 4 layers: 0.79 M parameters)
-with raypai's tokenizer and chat template, 64 chat prompts `a+b=` (a, b in 0..49), `--batches`
-prompts × group per step (default 1x8 and 8x8), at most 16 new tokens (a random model rarely stops
-early, so ≈ 15 on average), β = 0, lr 1e-6, the token-mean (`dapo`) loss, 20 steps; samples/s over
-steps 2..20 (step 1 is warm-up on both sides). The reward is the exact-answer rule.
-- `raypai_grpo_sync{R}r`: rollout, reward and update one after another (the roles share the cores:
-  the working role gets every thread, see docs/alignment.md), with R colocated rollout replicas
-  splitting each batch (`--sync-rollout-replicas`, default 1 and 2);
-- `raypai_grpo_async`: the next batch is generated while this one trains (one step off-policy);
-- `trl_grpo_{N}t`: TRL `GRPOTrainer`, fp32, no gradient checkpointing, same stop tokens, with N
-  torch threads (`--trl-threads`, default 1 and 2: on small models one thread can be TRL's fastest
-  setting; the baseline is the best of them).
-Per-phase split for both: raypai's rollout/reward/train/sync seconds per step, TRL's
-generate-and-score vs the rest of its step.
+The rules (benchmarks/RESULTS.md, "How the alignment figures are measured"):
+- each row is a process of its own (`--one '<spec>'`, run by `_harness.run_row`). A raypai row
+  starts a local Ray and stops it; a TRL row never imports Ray. Before each row the parent waits
+  for every Ray daemon on the machine to exit and records any it still found
+  (`ray_processes_at_start`, 0 in an honest row) and the TRL row records `ray_imported: false`;
+- the headline rows are fp32 on both sides, raypai at its defaults (`GRPOConfig()`/`DPOConfig()`
+  but the workload's sizes) against TRL at its best torch thread count (`--trl-threads`);
+- non-default raypai settings are rows of their own, `headline: false` (`--variants`): `async`
+  (async_rollout), `sync_2r` (2 colocated rollout replicas), `sync_compiled` (compile_rollout, the
+  compile in the row's wall time and first step). bf16 rows: TRL `bf16=True` at its best fp32
+  thread count; raypai has no bf16 setting for CPU roles, so its bf16 row says so (`skipped`);
+- every row gives `wall_s` (the parent's clock, process start to exit: imports, model load, Ray
+  start and stop, compiles) beside its steady-state rate (steps 2..N; step 1 is warm-up on both
+  sides, reported as `first_step_seconds`);
+- the summary lines take each row's median over the rounds of this invocation and give raypai/TRL.
 
-DPO: the same model on preference pairs built from the same sums (chosen = the right answer,
-rejected = a wrong one), batch 8 pairs, β 0.1, `--dpo-steps` steps (default 100); pairs/s after the first step,
-raypai `run_dpo` (reference log-probs computed once by the Reference actor) vs TRL `DPOTrainer`
-(fp32, its reference model in the same process, `precompute_ref_log_probs` on).
+Workloads (`--workload toy|compute|both`, `_harness.WORKLOADS`), `a+b=` chat prompts, β = 0,
+lr 1e-6, token-mean (`dapo`) loss, temperature 1:
+- toy: issue #14's 0.79 M-parameter Llama, raypai's tokenizer, `--batches` 1x8 and 8x8 prompts ×
+  samples a step, ≤ 16 new tokens, 20 steps, the exact-answer reward; DPO 8 pairs a step, 100 steps;
+- compute: a 9.8 M-parameter Qwen2 (hidden 256, 6 layers, MLP 1024, vocab 7,600), 8x8, ≤ 64 new
+  tokens (a random model of this vocabulary rarely stops), 10 steps, reward = the completion's
+  length mod 5 (so groups differ and every update is a real one); DPO 8 pairs a step, 30 steps.
+TRL: `GRPOTrainer` (fp32, no gradient checkpointing, the same stop tokens, its generate-and-score
+time split from the rest of its step) and `DPOTrainer` (`precompute_ref_log_probs`). raypai:
+`run_grpo` (rollout/reward/train/sync seconds per step) and `run_dpo` (reference log-probs once, by
+the Reference actor).
 """
 
 from __future__ import annotations
@@ -31,237 +39,227 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+import _harness as h  # noqa: E402
+
 SPLIT = ("time_rollout", "time_reference", "time_reward", "time_train", "time_sync", "update_seconds")
+# raypai's non-default GRPO settings, one row each (the headline row "sync" is GRPOConfig's defaults)
+VARIANTS = {
+    "sync": {},
+    "async": {"async_rollout": True},
+    "sync_2r": {"rollout_replicas": 2},
+    "sync_compiled": {"compile_rollout": True},
+}
+RAYPAI_BF16 = (
+    "raypai has no bf16 setting for CPU roles: on a CPU the trainer trains in fp32 and the rollout "
+    "holds fp32 weights (alignment/roles/_device.py); bf16 is used only on CUDA"
+)
+# raypai over TRL's best at defaults: issue #14 (toy: sync 1.5×, async 2×, DPO 1.5×) and issue #36
+# item 5 (compute-bound: sync ≥ 1.5× TRL synchronous)
+TARGETS = {"toy": {"sync": 1.5, "async": 2.0, "dpo": 1.5}, "compute": {"sync": 1.5}}
 
 
-def emit(row: dict) -> None:
-    print(json.dumps(row, default=float), flush=True)
+# ---- the rows, each run inside its own process ------------------------------------------------
 
 
-class Steps:
-    """A RunLogger stand-in that keeps the per-step metrics of a raypai run."""
+def row_raypai_grpo(s: dict) -> dict:
+    import ray
 
-    def __init__(self):
-        self.rows, self.stamps = [], []
-
-    def log_metrics(self, metrics, step=None):
-        if step is not None:
-            self.rows.append(metrics)
-            self.stamps.append(time.perf_counter())
-
-
-def workload(n_prompts: int, seed: int):
-    import random
-
-    from raypai.alignment.tasks import arithmetic as ar
-
-    items = ar.problems(max_operand=49)
-    random.Random(seed).shuffle(items)
-    return items[:n_prompts], items[n_prompts : n_prompts + 16]
-
-
-def run_raypai(
-    model_dir: str, out: Path, args, prompts: int, group: int, async_rollout: bool, replicas: int = 1
-) -> dict:
     from raypai.alignment import GRPOConfig, run_grpo
     from raypai.alignment.data import prompt_examples
     from raypai.alignment.tasks import arithmetic as ar
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
 
-    train, held = workload(args.prompts, args.seed)
-    log = Steps()
-    name = f"raypai_grpo_{'async' if async_rollout else f'sync{replicas}r'}_{prompts}x{group}"
+    t0 = time.perf_counter()
+    train, held = h.problems(s["prompts"], s["seed"])
+    log = h.Steps()
     cfg = GRPOConfig(
-        steps=args.steps,
-        prompts_per_step=prompts,
-        group_size=group,
+        steps=s["steps"],
+        prompts_per_step=s["batch"][0],
+        group_size=s["batch"][1],
         lr=1e-6,
         beta=0.0,
         aggregation="dapo",
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=s["max_new_tokens"],
         eval_every=10**6,
-        seed=args.seed,
-        async_rollout=async_rollout,
-        train_threads=args.train_threads,
-        rollout_threads=args.rollout_threads,
-        rollout_engine=args.rollout_engine,
-        compile_rollout=args.compile_rollout,
-        rollout_replicas=replicas,
+        seed=s["seed"],
+        **s["overrides"],
     )
-    t0 = time.perf_counter()
-    summary = run_grpo(
-        model_dir,
-        str(out / name),
-        prompt_examples(ar.prompt_rows(train)),
-        prompt_examples(ar.prompt_rows(held)),
-        cfg,
-        run_name=name.replace("_", "-"),
-        rewards=[(ar.exact_match_reward, 1.0)],
-        logger=log,
-    )
+    # a local Ray of this process only (ensure_ray picks free ports: 6379 may be a Redis here)
+    ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
+    try:
+        ray_up = time.perf_counter() - t0
+        summary = run_grpo(
+            s["model_dir"],
+            str(Path(s["out"]) / s["name"]),
+            prompt_examples(ar.prompt_rows(train)),
+            prompt_examples(ar.prompt_rows(held[:4])),
+            cfg,
+            run_name=s["name"].replace("_", "-"),
+            rewards=[(h.reward_fn(s["reward"]), 1.0)],
+            logger=log,
+        )
+    finally:
+        ray.shutdown()
     steady = log.rows[1:]
     seconds = sum(r["step_seconds"] for r in steady)
     row = {
-        "result": name,
         "samples_per_s": sum(r["samples"] for r in steady) / seconds,
         "step_seconds": seconds / len(steady),
+        "first_step_seconds": log.rows[0]["step_seconds"],
         "response_length": sum(r["response_length"] for r in steady) / len(steady),
         "reward_mean": summary["mean_reward_mean"],
         "sync_bytes": summary["sync_bytes"],
-        "async_rollout": async_rollout,
-        "rollout_engine": args.rollout_engine,
-        "compile_rollout": args.compile_rollout,
-        "first_step_seconds": log.rows[0]["step_seconds"],
-        "rollout_replicas": cfg.rollout_replicas,
-        "wall_s_incl_startup": time.perf_counter() - t0,
+        "ray_start_s": ray_up,
+        "in_process_s": h.process_age_s(),
+        "config": {
+            k: getattr(cfg, k) for k in ("async_rollout", "rollout_replicas", "compile_rollout", "rollout_engine")
+        },
     }
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
 
 
-def with_threads(n: int, fn):
-    """fn() with torch using n threads in this process (TRL runs in the driver), then the old count."""
+def _trl_model(s: dict):
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(s["threads"])
+    tok = AutoTokenizer.from_pretrained(s["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=torch.float32)  # bf16 rows: TRL's autocast
+    return tok, model
 
 
-def run_trl_grpo(model_dir: str, out: Path, args, prompts: int, group: int) -> dict:
+def _trl_common(s: dict) -> dict:
+    return {
+        "output_dir": str(Path(s["out"]) / s["name"]),
+        "use_cpu": True,
+        "bf16": s["dtype"] == "bf16",  # mixed precision (autocast), TRL's own bf16 switch
+        "gradient_checkpointing": False,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "seed": s["seed"],
+        "disable_tqdm": True,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-6,
+    }
+
+
+def row_trl_grpo(s: dict) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from raypai.alignment.tasks import arithmetic as ar
     from raypai.chat import ChatFormat
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.generation_config.eos_token_id = list(ChatFormat(tok).stop_ids)  # the same stop tokens as raypai
-    train, _ = workload(args.prompts, args.seed)
-    data = Dataset.from_list(ar.prompt_rows(train))  # conversational prompts: TRL applies the chat template
+    tok, model = _trl_model(s)
+    model.generation_config.eos_token_id = list(ChatFormat(tok).stop_ids)  # raypai's stop tokens
+    train, _ = h.problems(s["prompts"], s["seed"])
+    prompts, group = s["batch"]
+    gen_seconds, stamps = [], []
 
     class Timed(GRPOTrainer):
-        gen_seconds: list = []
-
         def _generate_and_score_completions(self, inputs):
             t0 = time.perf_counter()
             try:
                 return super()._generate_and_score_completions(inputs)
             finally:
-                self.gen_seconds.append(time.perf_counter() - t0)
-
-    stamps = []
+                gen_seconds.append(time.perf_counter() - t0)
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    Timed.gen_seconds = []
     cfg = GRPOConfig(
-        output_dir=str(out / f"trl-{prompts}x{group}"),
         per_device_train_batch_size=prompts * group,
         num_generations=group,
         steps_per_generation=1,
-        gradient_accumulation_steps=1,
-        max_completion_length=args.max_new_tokens,
-        learning_rate=1e-6,
+        max_completion_length=s["max_new_tokens"],
         beta=0.0,
         loss_type="dapo",
         num_iterations=1,
         temperature=1.0,
-        max_steps=args.steps,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=args.seed,
-        disable_tqdm=True,
+        max_steps=s["steps"],
+        **_trl_common(s),
     )
     trainer = Timed(
         model=model,
-        reward_funcs=ar.exact_match_reward,
+        reward_funcs=h.reward_fn(s["reward"]),
         args=cfg,
-        train_dataset=data,
+        train_dataset=Dataset.from_list(ar.prompt_rows(train)),  # conversational: TRL applies the template
         processing_class=tok,
         callbacks=[Clock()],
     )
+    start = time.perf_counter()
     trainer.train()
     steady = len(stamps) - 1
     seconds = stamps[-1] - stamps[0]
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    gen = sum(Timed.gen_seconds[1:]) / steady
+    lengths = [x["completions/mean_length"] for x in trainer.state.log_history if "completions/mean_length" in x]
+    gen = sum(gen_seconds[1:]) / steady
     return {
-        "result": f"trl_grpo_{prompts}x{group}_{_threads()}t",
         "samples_per_s": steady * prompts * group / seconds,
         "step_seconds": seconds / steady,
+        "first_step_seconds": stamps[0] - start,
         "response_length": sum(lengths) / len(lengths),
         "time_generate_and_score": gen,
         "time_rest": seconds / steady - gen,
-        "torch_threads": _threads(),
+        "in_process_s": h.process_age_s(),
     }
 
 
-def _threads() -> int:
-    import torch
+def row_raypai_dpo(s: dict) -> dict:
+    import ray
 
-    return torch.get_num_threads()
-
-
-def pairs(args):
-    from raypai.alignment.tasks import arithmetic as ar
-
-    train, _ = workload(args.prompts, args.seed)
-    return ar.preference_rows(train, seed=args.seed, per_problem=1)
-
-
-def run_raypai_dpo(model_dir: str, out: Path, args) -> dict:
     from raypai.alignment import DPOConfig, run_dpo
     from raypai.alignment.data import preference_examples
+    from raypai.runtime import ensure_ray
+    from raypai.settings import Settings
 
-    rows = preference_examples(pairs(args))
-    log = Steps()
-    t0 = time.perf_counter()
-    run_dpo(
-        model_dir,
-        str(out / "raypai-dpo"),
-        rows,
-        rows[:16],
-        DPOConfig(steps=args.dpo_steps, batch_size=8, lr=1e-6, beta=0.1),
-        run_name="bench-dpo",
-        logger=log,
-    )
+    rows = preference_examples(_pairs(s))
+    log = h.Steps()
+    ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
+    try:
+        run_dpo(
+            s["model_dir"],
+            str(Path(s["out"]) / s["name"]),
+            rows,
+            rows[:16],
+            DPOConfig(steps=s["dpo_steps"], batch_size=8, lr=1e-6, beta=0.1),
+            run_name=s["name"].replace("_", "-"),
+            logger=log,
+        )
+    finally:
+        ray.shutdown()
     steady = len(log.stamps) - 1  # timed as TRL's: from the end of step 1 to the end of the last step
     seconds = log.stamps[-1] - log.stamps[0]
-    return {
-        "result": "raypai_dpo",
-        "pairs_per_s": 8 * steady / seconds,
-        "step_seconds": seconds / steady,
-        "wall_s_incl_startup": time.perf_counter() - t0,
-    }
+    return {"pairs_per_s": 8 * steady / seconds, "step_seconds": seconds / steady, "in_process_s": h.process_age_s()}
 
 
-def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
+def _pairs(s: dict) -> list[dict]:
+    from raypai.alignment.tasks import arithmetic as ar
+
+    train, _ = h.problems(s["prompts"], s["seed"])
+    return ar.preference_rows(train, seed=s["seed"], per_problem=1)
+
+
+def row_trl_dpo(s: dict) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    data = Dataset.from_list(pairs(args))
+    tok, model = _trl_model(s)
     stamps = []
 
     class Clock(TrainerCallback):
@@ -269,200 +267,283 @@ def run_trl_dpo(model_dir: str, out: Path, args) -> dict:
             stamps.append(time.perf_counter())
 
     cfg = DPOConfig(
-        output_dir=str(out / "trl-dpo"),
         per_device_train_batch_size=8,
-        gradient_accumulation_steps=1,
-        learning_rate=1e-6,
         beta=0.1,
-        max_steps=args.dpo_steps,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        seed=args.seed,
-        disable_tqdm=True,
+        max_steps=s["dpo_steps"],
         precompute_ref_log_probs=True,
+        **_trl_common(s),
     )
-    t0 = time.perf_counter()
-    DPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()]).train()
+    DPOTrainer(
+        model=model, args=cfg, train_dataset=Dataset.from_list(_pairs(s)), processing_class=tok, callbacks=[Clock()]
+    ).train()
     steady = len(stamps) - 1
+    seconds = stamps[-1] - stamps[0]
+    return {"pairs_per_s": 8 * steady / seconds, "step_seconds": seconds / steady, "in_process_s": h.process_age_s()}
+
+
+ROWS = {
+    "build": lambda s: h.build_workload(s["workload"], Path(s["out"]), s["seed"]),
+    "raypai_grpo": row_raypai_grpo,
+    "trl_grpo": row_trl_grpo,
+    "raypai_dpo": row_raypai_dpo,
+    "trl_dpo": row_trl_dpo,
+}
+
+
+def one(spec_json: str) -> None:
+    """Child mode: run the row `spec` describes and print its marked JSON line."""
+    s = json.loads(spec_json)
+    row = ROWS[s["kind"]](s)
+    if s["kind"].startswith("trl_"):
+        row["ray_imported"] = "ray" in sys.modules  # must stay False: TRL runs with no Ray at all
+    h.emit_child(row)
+
+
+# ---- the parent: rounds of rows, then the summaries -------------------------------------------
+
+
+def plan(args, wl: str, model_dir: str, out: str) -> list[dict]:
+    """One round's row specs of a workload, in order. `threads: "best"` (the TRL bf16 rows) is
+    resolved when the row runs: TRL's fastest fp32 thread count of the same round."""
+    w = h.WORKLOADS[wl]
+    base = {
+        "workload": wl,
+        "model_dir": model_dir,
+        "out": out,
+        "seed": args.seed,
+        "prompts": args.prompts,
+        "reward": w["reward"],
+        "steps": args.steps or w["steps"],
+        "max_new_tokens": args.max_new_tokens or w["max_new_tokens"],
+        "dpo_steps": args.dpo_steps or w["dpo_steps"],
+        "dtype": "fp32",
+        "headline": False,
+    }
+    extra = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(extra) - set(VARIANTS) - {"bf16"})
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from async, sync_2r, sync_compiled, bf16")
+    threads = [int(n) for n in args.trl_threads.split(",")]
+    pinned = {k: v for k, v in (("train_threads", args.train_threads), ("rollout_threads", args.rollout_threads)) if v}
+    if args.rollout_engine != "raypai":
+        pinned["rollout_engine"] = args.rollout_engine
+    rows = []
+    for batch in (args.batches or w["batches"]).split(",") if args.only in (None, "grpo") else []:
+        b = {**base, "batch": [int(x) for x in batch.split("x")]}
+        for v in ["sync", *[v for v in extra if v in VARIANTS and v != "sync"]]:
+            name = f"{wl}_raypai_grpo_{v}_{batch}"
+            overrides = {**VARIANTS[v], **pinned}
+            rows.append({**b, "kind": "raypai_grpo", "name": name, "overrides": overrides, "headline": v == "sync"})
+        for n in [] if args.no_trl else threads:
+            rows.append(
+                {**b, "kind": "trl_grpo", "name": f"{wl}_trl_grpo_{n}t_{batch}", "threads": n, "headline": True}
+            )
+        if "bf16" in extra:
+            if not args.no_trl:
+                rows.append(
+                    {**b, "kind": "trl_grpo", "name": f"{wl}_trl_grpo_bf16_{batch}", "threads": "best", "dtype": "bf16"}
+                )
+            rows.append(
+                {
+                    **b,
+                    "kind": "skip",
+                    "name": f"{wl}_raypai_grpo_sync_bf16_{batch}",
+                    "dtype": "bf16",
+                    "skipped": RAYPAI_BF16,
+                }
+            )
+    if args.only in (None, "dpo"):
+        rows.append({**base, "kind": "raypai_dpo", "name": f"{wl}_raypai_dpo", "headline": True})
+        for n in [] if args.no_trl else threads:
+            rows.append({**base, "kind": "trl_dpo", "name": f"{wl}_trl_dpo_{n}t", "threads": n, "headline": True})
+        if "bf16" in extra and not args.no_trl:
+            rows.append({**base, "kind": "trl_dpo", "name": f"{wl}_trl_dpo_bf16", "threads": "best", "dtype": "bf16"})
+    return rows
+
+
+def rate(row: dict) -> float | None:
+    return row.get("samples_per_s", row.get("pairs_per_s"))
+
+
+def best_trl(rows: list[dict], group: str, rnd: int | None = None) -> dict | None:
+    """TRL's fastest fp32 thread count for `group` ("<wl>_trl_grpo_*_<batch>" or "<wl>_trl_dpo_*"),
+    by median rate over the rounds (or in round `rnd`)."""
+    import statistics
+
+    fp32 = [
+        r
+        for r in rows
+        if r.get("group") == group and r["dtype"] == "fp32" and rate(r) and (rnd is None or r["round"] == rnd)
+    ]
+    by = {}
+    for r in fp32:
+        by.setdefault(r["threads"], []).append(rate(r))
+    if not by:
+        return None
+    n = max(by, key=lambda t: statistics.median(by[t]))
     return {
-        "result": f"trl_dpo_{_threads()}t",
-        "pairs_per_s": 8 * steady / (stamps[-1] - stamps[0]),
-        "step_seconds": (stamps[-1] - stamps[0]) / steady,
-        "wall_s_incl_startup": time.perf_counter() - t0,
-        "torch_threads": _threads(),
+        "threads": n,
+        "rate": statistics.median(by[n]),
+        "name": next(r["result"] for r in fp32 if r["threads"] == n),
     }
 
 
-TARGETS = {"sync": 1.5, "async": 2.0, "dpo": 1.5}  # issue #14: raypai over TRL's best, at both batch sizes
-
-
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per configuration the median rate over the rounds; per batch size raypai's best synchronous
-    and its async configuration against TRL's best thread count, and the DPO ratio."""
-    import statistics
-
-    med: dict[str, float] = {}
-    for name in dict.fromkeys(r["result"] for r in rows):
-        vals = [r.get("samples_per_s", r.get("pairs_per_s")) for r in rows if r["result"] == name]
-        med[name] = statistics.median(vals)
+    """Per workload and batch: raypai's default row and each variant against TRL's best fp32 thread
+    count, steady state (rate ratio) and end to end (TRL's wall time over raypai's: > 1 = raypai
+    finished sooner); the bf16 rows beside; whether every row started with no Ray alive."""
     out = []
-    for batch in dict.fromkeys(f"{r['prompts_per_step']}x{r['group']}" for r in rows if "group" in r):
-        trl = {k: v for k, v in med.items() if k.startswith(f"trl_grpo_{batch}_")}
-        sync = {k: v for k, v in med.items() if k.startswith("raypai_grpo_sync") and k.endswith(f"_{batch}")}
-        if not trl or not sync:
-            continue
-        base, best_sync = max(trl, key=trl.get), max(sync, key=sync.get)
-        row = {
-            "result": f"summary_grpo_{batch}",
-            "rounds": len([r for r in rows if r["result"] == base]),
-            "trl_best": base,
-            "trl_samples_per_s": trl[base],
-            "raypai_sync_best": best_sync,
-            "sync_samples_per_s": sync[best_sync],
-            "sync_vs_trl": sync[best_sync] / trl[base],
-        }
-        if f"raypai_grpo_async_{batch}" in med:
-            row.update(
-                async_samples_per_s=med[f"raypai_grpo_async_{batch}"],
-                async_vs_trl=med[f"raypai_grpo_async_{batch}"] / trl[base],
-            )
-        row.update(sync_target=TARGETS["sync"], async_target=TARGETS["async"])
-        out.append(row)
-    trl_dpo = {k: v for k, v in med.items() if k.startswith("trl_dpo_")}
-    if trl_dpo and "raypai_dpo" in med:
-        base = max(trl_dpo, key=trl_dpo.get)
-        out.append(
-            {
-                "result": "summary_dpo",
-                "trl_best": base,
-                "trl_pairs_per_s": trl_dpo[base],
-                "raypai_pairs_per_s": med["raypai_dpo"],
-                "dpo_vs_trl": med["raypai_dpo"] / trl_dpo[base],
-                "dpo_target": TARGETS["dpo"],
+    for group in dict.fromkeys(r["group"] for r in rows if r["system"] == "raypai"):
+        mine = [r for r in rows if r["group"] == group]
+        wl, algo = mine[0]["workload"], mine[0]["algo"]
+        trl_group = group.replace("raypai_", "trl_")
+        base = best_trl(rows, trl_group)
+        trl_rows = [r for r in rows if r.get("group") == trl_group]
+        line = {"result": f"summary_{group}", "rounds": max((r["round"] for r in mine), default=0)}
+        if base:
+            trl_best = [r for r in trl_rows if r.get("threads") == base["threads"] and r["dtype"] == "fp32"]
+            line.update(trl_best=base["name"], trl_rate=base["rate"], trl_wall_s=h.median_of(trl_best, "wall_s"))
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            vr = [r for r in mine if r["variant"] == variant]
+            if any("skipped" in r for r in vr):
+                line[variant] = {"skipped": vr[0]["skipped"]}
+                continue
+            v = {"rate": h.median_of(vr, rate), "wall_s": h.median_of(vr, "wall_s")}
+            if base and v["rate"]:
+                v["vs_trl"] = v["rate"] / base["rate"]
+                v["end_to_end_vs_trl"] = line["trl_wall_s"] / v["wall_s"]
+            target = TARGETS.get(wl, {}).get("dpo" if algo == "dpo" else variant)
+            if target:
+                v["target"] = target
+            line[variant] = v
+        bf16 = [r for r in trl_rows if r["dtype"] == "bf16" and rate(r)]
+        if bf16:
+            line["trl_bf16"] = {
+                "rate": h.median_of(bf16, rate),
+                "wall_s": h.median_of(bf16, "wall_s"),
             }
-        )
+        both = mine + trl_rows
+        line["rows_started_with_ray_alive"] = sum(1 for r in both if r.get("ray_processes_at_start"))
+        line["trl_rows_that_imported_ray"] = sum(1 for r in trl_rows if r.get("ray_imported"))
+        line["failed_rows"] = [r["result"] for r in both if "error" in r]
+        out.append(line)
     return out
+
+
+def label(spec: dict) -> dict:
+    """The row's identity fields: workload, algo, system, variant, group (its summary's key)."""
+    system, algo = spec["kind"].split("_") if spec["kind"] != "skip" else ("raypai", "grpo")
+    batch = "x".join(map(str, spec["batch"])) if "batch" in spec else None
+    variant = spec["name"].split(f"_{algo}_", 1)[1].removesuffix(f"_{batch}") if algo == "grpo" else spec["dtype"]
+    if system == "raypai" and algo == "dpo":
+        variant = "sync"
+    group = f"{spec['workload']}_{system}_{algo}" + (f"_{batch}" if batch else "")
+    return {"workload": spec["workload"], "algo": algo, "system": system, "variant": variant, "group": group}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=64, help="size of the prompt pool")
-    ap.add_argument("--batches", default="1x8,8x8", help="prompts x group per step, comma-separated")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    # 100: a DPO step of this model takes 20-40 ms, so 20 steps timed half a second on each side,
-    # where this shared 2-vCPU machine's slow spells moved the ratio by ±10 % between rounds
-    ap.add_argument("--dpo-steps", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one row, spec as JSON
+    ap.add_argument("--workload", choices=("toy", "compute", "both"), default="both")
     ap.add_argument("--only", choices=("grpo", "dpo"), default=None)
-    ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads (0: placement's)")
-    ap.add_argument("--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads (0: placement's)")
     ap.add_argument(
-        "--rollout-engine", default="raypai", choices=("raypai", "hf", "vllm"), help="raypai GRPOConfig.rollout_engine"
+        "--rounds", type=int, default=3, help="every row this many times, interleaved; summaries take medians"
     )
+    ap.add_argument("--steps", type=int, default=0, help="GRPO steps (0: the workload's, 20 toy / 10 compute)")
+    ap.add_argument("--batches", default="", help="prompts x group per step, comma-separated (default: the workload's)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="0: the workload's (16 toy / 64 compute)")
+    # toy: a DPO step takes 20-40 ms, so 100 steps are needed to time more than a few seconds
+    ap.add_argument("--dpo-steps", type=int, default=0, help="0: the workload's (100 toy / 30 compute)")
+    ap.add_argument("--prompts", type=int, default=64, help="size of the prompt pool")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--compile-rollout",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="raypai GRPOConfig.compile_rollout (the compile lands in step 1, which is reported as "
-        "first_step_seconds and left out of the steady state on both sides)",
+        "--variants",
+        default="async,sync_2r,sync_compiled,bf16",
+        help="non-headline rows besides raypai's defaults and TRL fp32: async, sync_2r, sync_compiled, bf16 ('' = none)",
     )
-    ap.add_argument(
-        "--sync-rollout-replicas",
-        default="1,2",
-        help="rollout replicas of the synchronous runs, comma-separated: one run each (colocated "
-        "replicas split the batch and the cores)",
-    )
-    ap.add_argument("--modes", default="sync,async", help="raypai GRPO runs: sync, async or both")
+    ap.add_argument("--trl-threads", default="1,2", help="TRL's torch threads, one row each; the baseline is its best")
     ap.add_argument("--no-trl", action="store_true", help="raypai rows only")
+    ap.add_argument("--train-threads", type=int, default=0, help="raypai GRPOConfig.train_threads in every raypai row")
     ap.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="every configuration this many times, interleaved; the summary lines take medians",
+        "--rollout-threads", type=int, default=0, help="raypai GRPOConfig.rollout_threads in every raypai row"
     )
+    ap.add_argument("--rollout-engine", default="raypai", choices=("raypai", "hf", "vllm"))
     ap.add_argument(
-        "--trl-threads",
-        default="1,2",
-        help="torch threads of the TRL runs, comma-separated: one run each (the baseline is TRL's best of them)",
+        "--ray-wait",
+        type=float,
+        default=60,
+        help="seconds a row waits for the last row's Ray to exit (then records it)",
+    )
+    ap.add_argument("--row-timeout", type=float, default=1800, help="seconds before a row's process is killed")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every kind of row once at tiny sizes: proves the harness, measures nothing",
     )
     args = ap.parse_args()
-
-    import ray
-
-    from raypai.alignment.tasks.tiny import build_tiny_model
-
-    out = Path(tempfile.mkdtemp(prefix="align-bench-"))
-    model = build_tiny_model(out / "model", hidden=128, layers=4, heads=4, kv_heads=2, vocab_size=512, seed=args.seed)
-    common = {"steps": args.steps, "max_new_tokens": args.max_new_tokens, "cpus": os.cpu_count()}
-    from raypai.runtime import ensure_ray
-    from raypai.settings import Settings
-
-    ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
+    if args.one:
+        return one(args.one)
+    if args.smoke:
+        args.rounds, args.steps, args.dpo_steps, args.trl_threads = 1, 3, 4, "1"
+        args.batches, args.max_new_tokens = args.batches or "2x4", args.max_new_tokens or 8
+    script = str(Path(__file__).resolve())
+    out = tempfile.mkdtemp(prefix="align-bench-")
+    workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]
+    models = {}
+    for wl in workloads:  # built in a process of its own, like every row
+        built = h.run_row(
+            script, {"kind": "build", "name": f"build_{wl}", "workload": wl, "out": out, "seed": args.seed}
+        )
+        if "error" in built:
+            raise SystemExit(f"building the {wl} workload failed: {built['error']}")
+        h.emit({**built, "result": f"workload_{wl}"})
+        models[wl] = built["model_dir"]
     rows: list[dict] = []
-
-    def record(row: dict) -> None:
-        rows.append(row)
-        emit(row)
-
-    try:
-        # rounds: every configuration once per round, so a slow spell of the shared machine hits all
-        # of them; the summary takes each configuration's median over the rounds
-        for rnd in range(1, args.rounds + 1):
-            if args.only in (None, "grpo"):
-                for batch in args.batches.split(","):
-                    prompts, group = map(int, batch.split("x"))
-                    modes = args.modes.split(",")
-                    runs = [
-                        lambda r=int(r): run_raypai(model, out, args, prompts, group, False, r)
-                        for r in args.sync_rollout_replicas.split(",")
-                        if "sync" in modes
-                    ]
-                    if "async" in modes:
-                        runs.append(lambda: run_raypai(model, out, args, prompts, group, True))
-                    if not args.no_trl:  # TRL at each thread count: its best is the baseline
-                        runs += [
-                            lambda n=int(n): with_threads(n, lambda: run_trl_grpo(model, out, args, prompts, group))
-                            for n in args.trl_threads.split(",")
-                        ]
-                    for fn in runs:
-                        record(
-                            {
-                                **fn(),
-                                **common,
-                                "round": rnd,
-                                "prompts_per_step": prompts,
-                                "group": group,
-                                "train_threads": args.train_threads,
-                                "rollout_threads": args.rollout_threads,
-                                "load_avg_1m": os.getloadavg()[0],
-                            }
-                        )
-            if args.only in (None, "dpo"):
-                runs = [lambda: run_raypai_dpo(model, out, args)]
-                if not args.no_trl:
-                    runs += [
-                        lambda n=int(n): with_threads(n, lambda: run_trl_dpo(model, out, args))
-                        for n in args.trl_threads.split(",")
-                    ]
-                for fn in runs:
-                    record(
-                        {
-                            **fn(),
-                            "round": rnd,
-                            "dpo_steps": args.dpo_steps,
-                            "cpus": os.cpu_count(),
-                            "load_avg_1m": os.getloadavg()[0],
-                        }
+    # Ray daemons alive before this harness began are someone else's: rows do not wait for them to
+    # exit, but each row counts them (ray_processes_at_start) and the summaries say so
+    foreign = frozenset(p["pid"] for p in h.ray_processes())
+    if foreign:
+        h.emit({"result": "warning", "ray_processes_before_start": len(foreign), "note": "not a quiet machine"})
+    # rounds: every row once per round, so a slow spell of the machine hits all of them
+    for rnd in range(1, args.rounds + 1):
+        for wl in workloads:
+            for spec in plan(args, wl, models[wl], out):
+                spec = {**spec, "round": rnd, **label(spec)}
+                if spec["kind"] == "skip":
+                    row = {"result": spec["name"], "skipped": spec["skipped"]}
+                else:
+                    if spec.get("threads") == "best":
+                        fastest = best_trl(rows, spec["group"], rnd)
+                        if fastest is None:
+                            continue
+                        spec["threads"] = fastest["threads"]
+                    row = h.run_row(
+                        script,
+                        spec,
+                        threads=spec.get("threads"),
+                        timeout_s=args.row_timeout,
+                        ray_wait_s=args.ray_wait,
+                        foreign=foreign,
                     )
-        for row in summarize(rows):
-            emit(row)
-    finally:
-        ray.shutdown()
+                keep = (
+                    "round",
+                    "workload",
+                    "algo",
+                    "system",
+                    "variant",
+                    "group",
+                    "dtype",
+                    "headline",
+                    "threads",
+                    "batch",
+                )
+                row = {**row, **{k: spec[k] for k in keep if k in spec}}
+                for k in ("steps", "max_new_tokens") if spec["algo"] == "grpo" else ("dpo_steps",):
+                    row[k] = spec[k]
+                rows.append(row)
+                h.emit(row)
+    for line in summarize(rows):
+        h.emit(line)
 
 
 if __name__ == "__main__":
