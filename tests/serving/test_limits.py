@@ -378,6 +378,24 @@ def _read_events(s: socket.socket, n: int) -> bytes:
     return got
 
 
+def _read_for(s: socket.socket, seconds: float) -> bytes:
+    """Whatever arrives on `s` during `seconds`."""
+    got, end = b"", time.monotonic() + seconds
+    s.settimeout(0.05)
+    try:
+        while time.monotonic() < end:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        s.settimeout(30)
+    return got
+
+
 def _wait(cond, timeout: float, every: float = 0.05) -> float:
     """Seconds until `cond()` held; fails after `timeout`."""
     t0 = time.monotonic()
@@ -447,8 +465,9 @@ def test_a_failing_request_fails_alone(stack):
         err = r.json()["error"]
         assert err["code"] == "internal_error" and "reference" in err["message"], err
         assert "Index" not in r.text and "embedding" not in r.text and "Traceback" not in r.text, r.text
-        more = _read_events(s, 40)
-        assert more.count(b"data: ") >= 40 and b'"error"' not in more, more[-300:]
+        _read_for(s, 0.5)  # what the stream sent before the failure
+        after = _read_for(s, 1.0)  # and after it: tokens still coming, no error event, not closed
+        assert after.count(b"data: ") >= 10 and b'"error"' not in after, after[-300:]
         assert _info(stack)["active_rows"] == 1  # the stream's row, still decoding
         assert _complete(stack).status_code == 200  # and the replica serves others
     finally:
