@@ -135,8 +135,10 @@ class Run:
     lineage); leaving the block shuts every role down, then logs the summary (once the run ended
     without an error)."""
 
-    def __init__(self, run_name: str, specs: dict, *, colocate: tuple = (), logger=None):
-        self.placement = Placement(run_name, specs, colocate=colocate)
+    def __init__(
+        self, run_name: str, specs: dict, *, colocate: tuple = (), logger=None, gpus: float = 0, placement="colocated"
+    ):
+        self.placement = Placement(run_name, specs, colocate=colocate, gpus=gpus, placement=placement)
         self.logger = logger
         self.summary: dict | None = None
         self.groups: list[RankGroup] = []

@@ -270,17 +270,31 @@ class Sampling(_Part):
 class Resources(_Part):
     """Where the run's roles work."""
 
-    # share of one GPU for the run's roles: they take turns on it (`raypai.alignment.placement`), the
-    # trainer asleep (weights and optimizer state in host memory) while others work; 0 = CPUs
+    # GPUs of the run: up to 1, the share of one GPU its roles take turns on (`raypai.alignment.placement`),
+    # the trainer asleep (weights and optimizer state in host memory) while others work; more: that
+    # many whole GPUs, on one node or several, laid out as `placement` says; 0 = CPUs
     gpus: float = 0.0
+    # with gpus > 1: "colocated" (every role's ranks spread over all the GPUs, time-sharing them) or
+    # "separate" (every rank of a GPU role on a GPU of its own)
+    placement: str = "colocated"
+
+    @property
+    def gpu_share(self) -> float:
+        """How much of one GPU the run's roles share: `gpus` up to 1, a whole GPU beyond."""
+        return min(self.gpus, 1.0)
 
     def _problems(self) -> list[str]:
-        if 0 <= self.gpus <= 1:
-            return []
-        return [
-            f"{type(self).__name__}.gpus must be in [0, 1] (got {self.gpus:g}): the roles of a run share one "
-            "GPU and take turns on it (0 runs them on CPUs)"
-        ]
+        from raypai.alignment.placement import PLACEMENTS
+
+        name, p = type(self).__name__, []
+        if self.gpus < 0 or (self.gpus > 1 and self.gpus != int(self.gpus)):
+            p.append(
+                f"{name}.gpus must be a share of one GPU in [0, 1] or a whole number of GPUs (got {self.gpus:g}): "
+                "0 runs the roles on CPUs"
+            )
+        if self.placement not in PLACEMENTS:
+            p.append(f"{name}.placement {self.placement!r} is unknown; choose one of {', '.join(PLACEMENTS)}")
+        return p
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def run_dpo(
         )
     ev_c, ev_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")  # bad pairs fail before any actor starts
     all_c, all_r = encode_pairs(fmt, pairs, trunc, "training pair")
-    g = cfg.gpus  # on a GPU: the trainer half of it, the reference the rest
+    g = cfg.gpu_share  # of each GPU: the trainer half of it, the reference the rest
     specs = {"policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks)}
     if not cfg.lora():  # with LoRA the reference is the policy's own base: no actor
         specs["reference"] = RoleSpec(cpus=0.5, gpus=g / 2, replicas=cfg.reference_ranks)
@@ -119,7 +119,7 @@ def run_dpo(
     objective = dpo_objective(cfg)
     # the roles take turns (reference log-probs first, then the updates): one shared bundle, and each
     # role works with all of its CPUs
-    with Run(run_name, specs, colocate=(tuple(specs),), logger=logger) as run:
+    with Run(run_name, specs, colocate=(tuple(specs),), logger=logger, gpus=cfg.gpus, placement=cfg.placement) as run:
         policy = run.place_policy(model_dir, cfg, threads=threads, device=device)
         reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once

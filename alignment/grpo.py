@@ -70,7 +70,7 @@ def run_grpo(
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
     # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
     # queried, beta > 0) the rest; the reward stays on CPUs
-    g = cfg.gpus
+    g = cfg.gpu_share  # of each GPU
     # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
     specs = {
         "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
@@ -102,7 +102,7 @@ def run_grpo(
         aggregation=cfg.aggregation,
         max_new_tokens=cfg.max_new_tokens,
     )
-    with Run(run_name, specs, colocate=colocate, logger=logger) as run:
+    with Run(run_name, specs, colocate=colocate, logger=logger, gpus=cfg.gpus, placement=cfg.placement) as run:
         # synchronous: no replica samples while the trainer updates, so the replicas read the trainer's
         # own parameters (a sync is a version check); async: they sample during updates, so they copy
         # (on a GPU the replicas take each update as a bf16 copy through host shared memory)

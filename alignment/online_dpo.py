@@ -61,7 +61,7 @@ def run_online_dpo(
             what="online DPO inputs",
         )
     ev_c, ev_r = encode_pairs(inputs.fmt, eval_pairs, inputs.trunc, "held-out pair")
-    g = cfg.gpus  # on a GPU: the trainer half of it, the reference and the rollout a quarter each
+    g = cfg.gpu_share  # of each GPU: the trainer half of it, the reference and the rollout a quarter each
     specs = {
         "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
         **(
@@ -74,7 +74,7 @@ def run_online_dpo(
     threads = max(1, round(sum(r.cpus for r in specs.values())))
     objective = OnlineDPO(dpo_objective(cfg))
     # sampling, scoring and updates take turns: one shared bundle, each role with all of its CPUs
-    with Run(run_name, specs, colocate=(tuple(specs),), logger=logger) as run:
+    with Run(run_name, specs, colocate=(tuple(specs),), logger=logger, gpus=cfg.gpus, placement=cfg.placement) as run:
         # the replica reads the trainer's own parameters (they never work at the same time)
         policy = run.place_policy(
             model_dir,

@@ -3,7 +3,18 @@ shared bundle for roles colocated on the same machine.
 
 A role with `gpus` > 0 gets that share of a GPU (Ray's fractional GPUs; colocated roles that take
 turns share one GPU through their bundle) and computes on it (`roles._device`); between phases the
-trainer sleeps (`raypai.alignment.offload`) so the rollout has the device's memory."""
+trainer sleeps (`raypai.alignment.offload`) so the rollout has the device's memory.
+
+A run on several GPUs (`gpus` > 1, whole GPUs, on one node or several: the placement group packs
+its bundles where they fit) is laid out one of two ways (`placement`):
+- `colocated` (verl's hybrid engine): one bundle per GPU; rank i of every GPU role goes to GPU
+  i mod `gpus`, each with its share of that GPU (the shares of one GPU, as on a single GPU), so the
+  roles time-share every GPU of the run;
+- `separate` (ChatLearn, OpenRLHF): every rank of a GPU role gets a whole GPU of its own, nothing
+  shared; the run needs one GPU per rank.
+The layout (role, rank, node, GPU share, CPUs) is printed once the placement group is reserved and
+before any actor starts (`Placement.table`), and actors are named `<run>/<role>-<rank>` in the
+dashboard. A layout the cluster cannot hold is refused with the fix."""
 
 from __future__ import annotations
 
@@ -63,10 +74,69 @@ def _install_wire(actor) -> None:
         _wire.install()
 
 
-class Placement:
-    """`place(name, cls, spec, *args)` → actor handles named `<run>/<role>-<i>` in the dashboard."""
+PLACEMENTS = ("colocated", "separate")
 
-    def __init__(self, run_name: str, specs: dict[str, RoleSpec], colocate: tuple[tuple[str, ...], ...] = ()):
+
+def gpu_layout(specs: dict[str, RoleSpec], gpus: int, placement: str) -> tuple[list[dict], dict, dict]:
+    """(bundles, {role: [bundle of each rank]}, {role: GPU share of each of its actors}) of a run on
+    `gpus` whole GPUs. `specs[r].gpus` is role r's share of one GPU when the roles share it (0: a
+    CPU role, placed beside the GPU roles' ranks when colocated, on its own otherwise)."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(
+            [f"placement {placement!r} is unknown; choose one of {', '.join(PLACEMENTS)}"], what="role placement"
+        )
+    group_of: dict[str, list[int]] = {}
+    share: dict[str, float] = {}
+    if placement == "colocated":
+        bundles = [{"CPU": 0.0, "GPU": 1.0} for _ in range(gpus)]
+        for role, spec in specs.items():
+            group_of[role] = [i % gpus for i in range(spec.replicas)]
+            stacked = -(-spec.replicas // gpus)  # ranks of this role on one GPU
+            share[role] = spec.gpus / stacked
+            for b in group_of[role]:
+                bundles[b]["CPU"] += spec.cpus
+        over = [i for i in range(gpus) if sum(share[r] * group_of[r].count(i) for r in specs) > 1 + 1e-9]
+        if over:
+            raise ConfigError(
+                [f"GPU {over[0]} would be shared beyond itself: the roles' shares of a GPU add up to more than 1"],
+                what="role placement",
+            )
+        return [{k: v for k, v in b.items() if v} for b in bundles], group_of, share
+    bundles = []
+    need = sum(spec.replicas for spec in specs.values() if spec.gpus)
+    if need > gpus:
+        raise ConfigError(
+            [
+                "placement 'separate' gives every rank of a GPU role a GPU of its own: "
+                + ", ".join(f"{r} {s.replicas}" for r, s in specs.items() if s.gpus)
+                + f" = {need} GPUs, the run has gpus={gpus}",
+                f"set gpus={need}, or placement='colocated' (the roles time-share the {gpus} GPUs), or fewer "
+                "ranks / reference_ranks / rollout_replicas",
+            ],
+            what="role placement",
+        )
+    for role, spec in specs.items():
+        group_of[role] = []
+        share[role] = 1.0 if spec.gpus else 0.0
+        for _ in range(spec.replicas):
+            group_of[role].append(len(bundles))
+            bundles.append(_resources(spec.cpus, share[role]))
+    return bundles, group_of, share
+
+
+class Placement:
+    """`place(name, cls, spec, *args)` → actor handles named `<run>/<role>-<i>` in the dashboard.
+    `gpus` > 1 (whole GPUs) lays the roles out over them as `placement` says (`gpu_layout`)."""
+
+    def __init__(
+        self,
+        run_name: str,
+        specs: dict[str, RoleSpec],
+        colocate: tuple[tuple[str, ...], ...] = (),
+        *,
+        gpus: float = 0,
+        placement: str = "colocated",
+    ):
         bad = [
             f"role {r!r} asks for {spec.gpus:g} GPUs: a role runs in one process on one device, so give it at "
             "most 1 (a fraction shares one GPU)"
@@ -77,6 +147,23 @@ class Placement:
             raise ConfigError(bad, what="role placement")
         self.run_name = run_name
         self.group_of = {}
+        self.share = {r: spec.gpus for r, spec in specs.items()}
+        if gpus > 1:
+            bundles, self.group_of, self.share = gpu_layout(specs, int(gpus), placement)
+        else:
+            bundles = self._one_device(specs, colocate)
+        self.specs = specs
+        _check_fits(run_name, bundles)
+        from raypai.alignment import _wire
+
+        _wire.install()  # the driver's batches to the roles travel as arrays (raypai.alignment._wire)
+        self.pg = placement_group(bundles, strategy="PACK", name=f"{run_name}-roles")
+        ray.get(self.pg.ready(), timeout=300)
+        self.actors: list = []
+        if gpus > 1:
+            print(self.table(), flush=True)
+
+    def _one_device(self, specs: dict[str, RoleSpec], colocate) -> list[dict]:
         bundles = []
         grouped = {r for g in colocate for r in g}
         for g in colocate:
@@ -95,14 +182,38 @@ class Placement:
             for _ in range(spec.replicas):
                 self.group_of[role].append(len(bundles))
                 bundles.append(_resources(spec.cpus, spec.gpus))
-        self.specs = specs
-        _check_fits(run_name, bundles)
-        from raypai.alignment import _wire
+        return bundles
 
-        _wire.install()  # the driver's batches to the roles travel as arrays (raypai.alignment._wire)
-        self.pg = placement_group(bundles, strategy="PACK", name=f"{run_name}-roles")
-        ray.get(self.pg.ready(), timeout=300)
-        self.actors: list = []
+    def layout(self) -> list[dict]:
+        """One row per actor to be placed: role, rank, bundle, node (its IP) and GPU share and CPUs."""
+        from ray.util import placement_group_table
+
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return [
+            {
+                "role": role,
+                "rank": i,
+                "bundle": b,
+                "node": ips.get(nodes.get(b), str(nodes.get(b, "?"))[:12]),
+                "gpu": self.share[role],
+                "cpus": self.specs[role].cpus,
+            }
+            for role, bundles in self.group_of.items()
+            for i, b in enumerate(bundles)
+        ]
+
+    def table(self) -> str:
+        rows = self.layout()
+        lines = [
+            f"[raypai.placement] {self.run_name}: {len(rows)} actors",
+            "  role/rank            node             bundle  GPU   CPUs",
+        ]
+        lines += [
+            f"  {r['role'] + '-' + str(r['rank']):<20} {r['node']:<16} {r['bundle']:>6}  {r['gpu']:<5.3g} {r['cpus']:g}"
+            for r in rows
+        ]
+        return "\n".join(lines)
 
     def place(self, role: str, cls, *args, per_replica=None, **kwargs) -> list:
         """`per_replica(i)`: keyword arguments for replica i only (e.g. its own sampling seed)."""
@@ -114,7 +225,7 @@ class Placement:
                 .options(
                     name=f"{self.run_name}/{role}-{i}",
                     num_cpus=spec.cpus,
-                    num_gpus=spec.gpus,
+                    num_gpus=self.share[role],
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
                 )
                 .remote(*args, **kwargs, **(per_replica(i) if per_replica else {}))

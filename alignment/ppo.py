@@ -62,7 +62,7 @@ def run_ppo(
     inputs = rl_inputs("PPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
     check_plan("ppo", model_dir, cfg, reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
-    g = cfg.gpus  # on a GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
+    g = cfg.gpu_share  # of each GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
     specs = {
         "policy": RoleSpec(cpus=1, gpus=0.4 * g, replicas=cfg.ranks),
         "critic": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.ranks),
@@ -79,7 +79,9 @@ def run_ppo(
         PPOPolicy(clip_eps=cfg.clip_eps, **targets),
         PPOValue(clip=cfg.value_clip, **targets),
     )
-    with Run(run_name, specs, colocate=(tuple(specs),) if g else (), logger=logger) as run:
+    with Run(
+        run_name, specs, colocate=(tuple(specs),) if g else (), logger=logger, gpus=cfg.gpus, placement=cfg.placement
+    ) as run:
         # the roles take turns: the replica reads the trainer's own parameters (raypai.alignment.sync;
         # on a GPU, a bf16 copy through host shared memory)
         policy = run.place_policy(

@@ -57,8 +57,9 @@ def train_reward_model(
     train_c, train_r = encode_pairs(fmt, pairs, trunc, "training pair")  # bad or over-long pairs fail here
     eval_c, eval_r = encode_pairs(fmt, eval_pairs, trunc, "held-out pair")
     objective = BradleyTerry(margin=cfg.margin)
-    gpus = cfg.gpus
-    with Run(run_name, {"reward-trainer": RoleSpec(cpus=1, gpus=gpus, replicas=cfg.ranks)}, logger=logger) as run:
+    gpus = cfg.gpu_share
+    spec = {"reward-trainer": RoleSpec(cpus=1, gpus=gpus, replicas=cfg.ranks)}
+    with Run(run_name, spec, logger=logger, gpus=cfg.gpus, placement=cfg.placement) as run:
         rm = run.place_trained(
             "reward-trainer", model_dir, cfg.lr_of(cfg.lr), cfg, head="score", device="cuda" if gpus else "cpu"
         )

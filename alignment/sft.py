@@ -69,7 +69,8 @@ def run_sft(
     enc_eval = encode_all(fmt, held_out, trunc, "held-out")
     pad_id = fmt.tok.pad_token_id
     objective = SFT(ptx_coef=cfg.ptx_coef)
-    with Run(run_name, {"policy": RoleSpec(cpus=1, gpus=cfg.gpus, replicas=cfg.ranks)}, logger=logger) as run:
+    spec = {"policy": RoleSpec(cpus=1, gpus=cfg.gpu_share, replicas=cfg.ranks)}
+    with Run(run_name, spec, logger=logger, gpus=cfg.gpus, placement=cfg.placement) as run:
         # dropout: the model's own, as in any fine-tuning
         policy = run.place_policy(model_dir, cfg, device="cuda" if cfg.gpus else "cpu", dropout=True)
         rng = random.Random(cfg.seed)

@@ -311,6 +311,7 @@ class _SharedRay:
     def __init__(self):
         self.gcs: str | None = None
         self.num_cpus = 0
+        self.num_gpus = 0
         self.dashboard = False
 
     def running(self) -> bool:
@@ -318,16 +319,25 @@ class _SharedRay:
 
         return self.gcs is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == self.gcs
 
-    def get(self, *, num_cpus: int, dashboard: bool) -> str:
-        """The GCS address of a local Ray with these options (the dashboard: at least)."""
+    def get(self, *, num_cpus: int, dashboard: bool, num_gpus: int = 0) -> str:
+        """The GCS address of a local Ray with these options (the dashboard: at least). `num_gpus`:
+        logical GPUs (Ray places and numbers them; nothing computes on them here)."""
         import ray
 
-        if self.running() and self.num_cpus == num_cpus and (self.dashboard or not dashboard):
+        same = self.num_cpus == num_cpus and self.num_gpus == num_gpus
+        if self.running() and same and (self.dashboard or not dashboard):
             return self.gcs
         if ray.is_initialized():
             ray.shutdown()
-        ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False)
-        self.gcs, self.num_cpus, self.dashboard = ctx.address_info["gcs_address"], num_cpus, dashboard
+        ctx = ray.init(
+            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard, log_to_driver=False
+        )
+        self.gcs, self.num_cpus, self.num_gpus, self.dashboard = (
+            ctx.address_info["gcs_address"],
+            num_cpus,
+            num_gpus,
+            dashboard,
+        )
         return self.gcs
 
     def left_clean(self, wait_s: float = 10.0) -> bool:
@@ -359,8 +369,8 @@ def shared_ray():
     """`shared_ray(num_cpus=8, dashboard=False)` -> the GCS address of this test process's shared
     local Ray (for module-scoped fixtures: it may be stopped at a module's end)."""
 
-    def get(*, num_cpus: int = 8, dashboard: bool = False) -> str:
-        return _SHARED_RAY.get(num_cpus=num_cpus, dashboard=dashboard)
+    def get(*, num_cpus: int = 8, dashboard: bool = False, num_gpus: int = 0) -> str:
+        return _SHARED_RAY.get(num_cpus=num_cpus, dashboard=dashboard, num_gpus=num_gpus)
 
     return get
 

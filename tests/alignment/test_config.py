@@ -98,8 +98,11 @@ def test_gpu_requests_a_role_cannot_use_are_refused_naming_the_role_and_the_fix(
         "role 'policy' asks for 2 GPUs: a role runs in one process on one device, so give "
         "it at most 1 (a fraction shares one GPU)"
     ]
-    with pytest.raises(ConfigError, match=r"GRPOConfig.gpus must be in \[0, 1\] \(got 2\)"):
-        GRPOConfig(gpus=2).validate()
+    with pytest.raises(ConfigError, match=r"GRPOConfig.gpus must be a share of one GPU in \[0, 1\] or a whole number"):
+        GRPOConfig(gpus=2.5).validate()
+    with pytest.raises(ConfigError, match=r"GRPOConfig.placement 'spread' is unknown; choose one of colocated, separate"):
+        GRPOConfig(gpus=2, placement="spread").validate()
+    assert GRPOConfig(gpus=8, placement="separate").validate().gpu_share == 1.0
     with pytest.raises(ConfigError, match="gpus with async_rollout=True is not supported"):
         GRPOConfig(gpus=1, async_rollout=True).validate()
     assert GRPOConfig(gpus=0.5).validate().gpus == 0.5
@@ -192,7 +195,7 @@ def test_the_parts_check_their_fields_in_every_config_and_keep_the_flat_api():
     """Each shared field is checked by its part, whichever config it is in, and all problems come
     together; users still write flat fields, and each algorithm keeps its own defaults."""
     with pytest.raises(ConfigError) as err:
-        C.SFTConfig(steps=0, lr=0, truncation="cut", gpus=2, log_every=0)
+        C.SFTConfig(steps=0, lr=0, truncation="cut", gpus=1.5, log_every=0)
     assert [p.split(" ")[0] for p in err.value.problems] == [
         "SFTConfig.steps",
         "SFTConfig.lr",
