@@ -63,7 +63,8 @@ def slow_model_dir(tmp_path_factory):
 
     from raypai.chat import ChatFormat
 
-    path = build_tiny_model(tmp_path_factory.mktemp("slow-llama"), hidden=128, layers=2, context=4096)
+    # 256 wide, 4 layers: ~5 ms a token on a CPU, ~10 s for 2000 (past test_limits' 5-s request timeout)
+    path = build_tiny_model(tmp_path_factory.mktemp("slow-llama"), hidden=256, layers=4, context=4096)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     model.resize_token_embeddings(len(tok) - 1)  # the last id has no embedding (nor output row)

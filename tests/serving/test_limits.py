@@ -36,6 +36,7 @@ PROXY_HOOK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 TTL_S = 2.0  # the router's token cache lifetime in this module (default 60 s)
 FRESHNESS = Freshness(token_ttl_s=TTL_S, routes_refresh_s=0.5, max_backoff_s=1.0)
 ONGOING, QUEUED = 2, 2  # requests per replica, and waiting at the router (the deployment spec's)
+TIMEOUT_S = 5.0  # the deployment's request_timeout_s: LONG needs ~10 s, the other tests hold it < 3 s
 LONG = {"prompt": "the quick", "max_tokens": 2000, "temperature": 0}  # seconds of decoding
 BAD_PROMPT = "16"  # the tokenizer's last id, past the model's embedding (conftest.py: slow_model_dir)
 
@@ -64,7 +65,15 @@ def stack(tmp_path_factory, slow_model_dir):
     finally:
         del os.environ[PROXY_HOOK], os.environ[FAULTS_ENV]
     ctl = Controller(settings, store=store, tracker=tracker, limits=LIMITS, freshness=FRESHNESS)
-    ctl.create("lim", "tiny", version, max_ongoing_requests=ONGOING, max_queued_requests=QUEUED, max_batch_size=4)
+    ctl.create(
+        "lim",
+        "tiny",
+        version,
+        max_ongoing_requests=ONGOING,
+        max_queued_requests=QUEUED,
+        request_timeout_s=TIMEOUT_S,
+        max_batch_size=4,
+    )
     yield {"tokens": tokens, "store": store, "outage": outage, "app": app_name("lim", version), "ctl": ctl}
     serve.shutdown()
     ray.shutdown()
@@ -396,6 +405,17 @@ def _read_for(s: socket.socket, seconds: float) -> bytes:
     return got
 
 
+def _read_until(s: socket.socket, marker: bytes, timeout: float) -> bytes:
+    """Read until `marker` has arrived (or the stream ends, or `timeout`)."""
+    got, end = b"", time.monotonic() + timeout
+    while marker not in got and time.monotonic() < end:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def _wait(cond, timeout: float, every: float = 0.05) -> float:
     """Seconds until `cond()` held; fails after `timeout`."""
     t0 = time.monotonic()
@@ -473,6 +493,24 @@ def test_a_failing_request_fails_alone(stack):
     finally:
         s.close()
     _wait(lambda: _info(stack)["active_rows"] == 0, timeout=10)
+
+
+def test_an_answer_past_the_request_timeout_is_cut_and_its_row_freed(stack):
+    """A 2000-token stream and a 2000-token completion, both past the deployment's 5-s
+    request_timeout_s: the completion gets 504 `timeout`, the stream's last event is that error (its
+    headers were sent), both within a few seconds of the limit, and their engine rows are gone."""
+    s = _open(stack, {**LONG, "stream": True})
+    try:
+        t0 = time.monotonic()
+        r = _complete(stack, **LONG)
+        took = time.monotonic() - t0
+        streamed = _read_until(s, b"data: [DONE]", timeout=10)
+    finally:
+        s.close()
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    assert "request_timeout_s" in r.json()["error"]["message"] and TIMEOUT_S <= took < TIMEOUT_S + 4, took
+    assert b'"code": "timeout"' in streamed.rsplit(b"data: ", 2)[-2], streamed[-300:]  # the last event before [DONE]
+    _wait(lambda: _info(stack)["active_rows"] == 0, timeout=2)
 
 
 def test_a_database_outage_keeps_known_tokens_and_models_answered_then_catches_up(stack):
