@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
+from sqlalchemy.exc import SQLAlchemyError
 
 from raypai.deployment import DeploymentSpec
 from raypai.errors import ConfigError
@@ -317,7 +318,7 @@ class Router:
         costs one retry on another replica of the same version, then a 503 with Retry-After; a version
         whose queue is full (the spec's max_queued_requests) answers 503 + Retry-After at once."""
         handle, served, version, spec = await self._resolve(body.model)
-        t0, ok = time.perf_counter(), False
+        t0, ok, cancelled = time.perf_counter(), False, False
         try:
             for attempt in (1, 2):
                 try:
@@ -343,9 +344,13 @@ class Router:
         except APIError as exc:
             ok = exc.status_code < 500  # a client's bad request is not the version's fault
             raise
+        except asyncio.CancelledError:
+            cancelled = True  # the client left: neither a success nor the version's error
+            raise
         finally:
-            self.windows.observe(body.model, version, ok, time.perf_counter() - t0)
-            self._judge_soon(body.model)
+            if not cancelled:
+                self.windows.observe(body.model, version, ok, time.perf_counter() - t0)
+                self._judge_soon(body.model)
 
     # ---- canary verdicts (raypai.serving.canary) -------------------------------------------------
 
@@ -373,15 +378,19 @@ class Router:
             return  # nothing new to record
         self.judged[name] = (self.judged[name][0], seen)
         action = "none"
-        if decision == "worse" and policy.auto_rollback:
-            done = await asyncio.to_thread(self.store.rollback_canary, name, spec.canary_version, reason)
-            if done:
-                action = "rolled_back"
-                self.wake.set()  # re-read the routing table now
         stats = {"stable": stable, "canary": canary, "policy": policy.to_dict()}
-        await asyncio.to_thread(
-            self.store.record_canary_check, name, spec.version, spec.canary_version, decision, reason, stats, action
-        )
+        try:
+            if decision == "worse" and policy.auto_rollback:
+                done = await asyncio.to_thread(self.store.rollback_canary, name, spec.canary_version, reason)
+                if done:
+                    action = "rolled_back"
+                    self.wake.set()  # re-read the routing table now
+            await asyncio.to_thread(
+                self.store.record_canary_check, name, spec.version, spec.canary_version, decision, reason, stats, action
+            )
+        except SQLAlchemyError as exc:  # the database is down: judge (and record) again after the next answer
+            self.judged[name] = (self.judged[name][0], None)
+            log.warning("canary verdict for %s not recorded (database unavailable): %s", name, exc)
 
     async def _respond(self, handle, served: str, body, chat: bool, timeout_s: float):
         """One call to a model-server replica, which tokenizes, checks the context window and generates.
