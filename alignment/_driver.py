@@ -110,10 +110,13 @@ def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, c
 def resume_state(
     algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None
 ) -> tuple[int, dict]:
-    """`resume`, and the `extra` the checkpoint was saved with (`checkpoint.save_run`)."""
+    """`resume`, and the `extra` the checkpoint was saved with (`checkpoint.save_run`). Every RL loop
+    passes here before its first step: the sync learns where the trainer and the replicas run now
+    (`sync.locate`), while they are idle, so no step's `sync_seconds` waits for work queued on them."""
     from raypai.alignment.checkpoint import load_run_state
-    from raypai.alignment.sync import sync_weights
+    from raypai.alignment.sync import locate, sync_weights
 
+    locate([policy, *rollouts])
     if not checkpoint_dir:
         return 0, {}
     start, extra = load_run_state(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)

@@ -244,12 +244,23 @@ def _remove_file_once_mapped(trainer) -> None:
             _BOUND[key] = (frozenset(replicas), int(ray.get(refs[0])))
 
 
-def _node(actor) -> str:
+def locate(actors: list) -> None:
+    """Learn each actor's node now (its start-up included), so that `start_sync` never asks later.
+    An actor runs its calls in order, so asking an actor busy with a step (as the first sync used to,
+    right after queueing the first update and generation) waits for that step: the first step's
+    `sync_seconds` held the roles' start-up and first rollout and update (1.0-2.5 s against a steady
+    0.1 ms for a 0.49 MB model; a p99 of 10,000× the median)."""
     import ray
 
+    todo = [a for a in actors if a._actor_id.hex() not in _NODES]
+    for a, node in zip(todo, ray.get([a.node_id.remote() for a in todo])):
+        _NODES[a._actor_id.hex()] = node
+
+
+def _node(actor) -> str:
     key = actor._actor_id.hex()
     if key not in _NODES:
-        _NODES[key] = ray.get(actor.node_id.remote())
+        locate([actor])
     return _NODES[key]
 
 
