@@ -416,6 +416,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             if target:
                 v["target"] = target
             line[variant] = v
+            if variant == "sync" and "vs_trl" in v:  # raypai's defaults, fp32, against TRL's best fp32
+                line.update(headline_vs_trl=v["vs_trl"], headline_end_to_end_vs_trl=v["end_to_end_vs_trl"])
         bf16 = [r for r in trl_rows if r["dtype"] == "bf16" and rate(r)]
         if bf16:
             line["trl_bf16"] = {
