@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
 from raypai.errors import RaypaiError
+from raypai.serving.metrics import rejected
 
 log = logging.getLogger("ray.serve")
 
@@ -65,6 +66,7 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):
+        rejected("invalid_request")
         errs = exc.errors()
         first = errs[0] if errs else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
@@ -76,6 +78,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException):
         code = getattr(exc, "code", None)
+        rejected(code or str(exc.status_code))
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail), code, getattr(exc, "param", None)),
             status_code=exc.status_code,
@@ -86,6 +89,7 @@ def install(app: FastAPI) -> None:
     async def _database(_req: Request, exc: DBAPIError):
         # connection refused, fail-over, locked: the caller can only wait; the URL stays in the log
         ref = uuid.uuid4().hex[:12]
+        rejected("database_unavailable")
         log.warning("metadata database error [%s]: %s", ref, exc)
         return JSONResponse(
             error_body(
@@ -100,6 +104,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_req: Request, exc: Exception):
         ref = uuid.uuid4().hex[:12]
+        rejected("internal_error")
         log.error("internal error [%s]", ref, exc_info=exc)
         return JSONResponse(internal_error_body(ref), status_code=500)
 

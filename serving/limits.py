@@ -34,6 +34,7 @@ from starlette.datastructures import Headers
 from raypai.errors import ConfigError
 from raypai.serving.auth import TokenCheck
 from raypai.serving.errors import APIError, error_body
+from raypai.serving.metrics import rejected
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ def _counted(receive, cap: int):
 
 
 async def _answer(send, exc: APIError) -> None:
+    rejected(exc.code or str(exc.status_code))
     body = json.dumps(error_body(exc.status_code, exc.detail, exc.code, exc.param)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (exc.headers or {}).items()]

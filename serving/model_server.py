@@ -34,6 +34,7 @@ from raypai.deployment import DEFAULT_BATCH_WAIT_S, DEFAULT_MAX_BATCH_SIZE, DEFA
 from raypai.serving.engine import Engine, Event, should_admit
 from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
 from raypai.serving.generation import GenRequest, GenResult
+from raypai.serving.metrics import ReplicaMetrics, deployment_of
 
 log = logging.getLogger("ray.serve")
 
@@ -84,6 +85,10 @@ class ModelServer:
         self.cancelled, self.last_cancel_at = 0, None  # requests dropped after their callers left; when (epoch s)
         self.listeners: dict[int, asyncio.Queue] = {}  # request key -> its events (event-loop side only)
         self.keys = itertools.count()
+        # serving metrics (raypai.serving.metrics): when each request arrived and got its first token
+        self.metrics = ReplicaMetrics(deployment_of(_app_name(), model), version)
+        self.arrived: dict[int, float] = {}
+        self.first_at: dict[int, float] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
 
@@ -166,6 +171,7 @@ class ModelServer:
             self.loop = asyncio.get_running_loop()
             self.thread = threading.Thread(target=self._engine_loop, name="raypai-engine", daemon=True)
             self.thread.start()
+        self.arrived[key] = time.perf_counter()
         self.inbox.put((key, req))
         return key, q
 
@@ -211,8 +217,26 @@ class ModelServer:
                 self.engine.reset()
                 events = [Event(k, "", error=exc) for k in dict.fromkeys(keys)]
             waited = 0 if items or not waiting else waited + 1
+            self._measure(items, events)
+            self.metrics.load(len(waiting) + self.inbox.qsize(), self.engine.active)
             if events:
                 self.loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _measure(self, admitted: list, events: list[Event]) -> None:
+        """Time to first token of the requests just prefilled, and the decode rate of those finished."""
+        now = time.perf_counter()
+        failed = {e.key for e in events if e.error is not None}
+        for key, _ in admitted:
+            if key not in failed and key in self.arrived:
+                self.first_at[key] = now
+                self.metrics.first_token(now - self.arrived[key])
+        for e in events:
+            if e.result is not None:
+                first = self.first_at.pop(e.key, now)
+                self.metrics.finished(e.result.completion_tokens, now - first)
+            if e.result is not None or e.error is not None:
+                self.arrived.pop(e.key, None)
+                self.first_at.pop(e.key, None)
 
     def _drop_cancelled(self, waiting: collections.deque) -> None:
         """Remove the requests whose callers went away: from the waiting list and from the batch."""
@@ -224,6 +248,9 @@ class ModelServer:
             waiting.clear()
             waiting.extend(kept)
             self.engine.cancel(keys)
+            for key in keys:
+                self.arrived.pop(key, None)
+                self.first_at.pop(key, None)
             self.cancelled += len(keys)
             self.last_cancel_at = time.time()
 
@@ -235,3 +262,11 @@ class ModelServer:
             q.put_nowait(e.error or e)
             if e.result is not None or e.error is not None:
                 del self.listeners[e.key]
+
+
+def _app_name() -> str | None:
+    """The Serve app this replica belongs to (None outside Serve)."""
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - built outside a Serve replica
+        return None

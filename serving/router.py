@@ -28,6 +28,7 @@ from raypai.serving.canary import CanaryPolicy, Windows, judge
 from raypai.serving.errors import APIError, PromptError, error_body, install, internal_error_body
 from raypai.serving.generation import GenRequest, GenResult
 from raypai.serving.limits import InFlight, Limits, RequestGuard, check_fields
+from raypai.serving.metrics import rejected
 from raypai.serving.schemas import ChatRequest, CompletionRequest
 
 log = logging.getLogger("ray.serve")
@@ -174,9 +175,11 @@ async def _sse(gen, rid: str, model: str, served: str, chat: bool):
             else:
                 yield event({"delta": {"content": item}} if chat else {"text": item})
     except APIError as exc:  # headers are sent: the error is the stream's last event (OpenAI's shape)
+        rejected(exc.code or str(exc.status_code))
         yield f"data: {json.dumps(error_body(exc.status_code, str(exc.detail), exc.code))}\n\n"
     except Exception as exc:  # noqa: BLE001 - a replica's failure mid-stream: generic text, details logged
         ref = uuid.uuid4().hex[:12]
+        rejected("internal_error")
         log.error("stream failed [%s]", ref, exc_info=exc)
         yield f"data: {json.dumps(internal_error_body(ref))}\n\n"
     yield "data: [DONE]\n\n"

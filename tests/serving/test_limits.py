@@ -33,6 +33,7 @@ BASE = f"http://127.0.0.1:{serve_port()}"
 LIMITS = Limits(max_concurrent_per_key=2)  # the others at their defaults
 HUGE = 200 * 2**20  # the issue's attack: a 200 MB body
 PROXY_HOOK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+METRICS_EVERY = "RAY_metrics_report_interval_ms"
 TTL_S = 2.0  # the router's token cache lifetime in this module (default 60 s)
 FRESHNESS = Freshness(token_ttl_s=TTL_S, routes_refresh_s=0.5, max_backoff_s=1.0)
 ONGOING, QUEUED = 2, 2  # requests per replica, and waiting at the router (the deployment spec's)
@@ -60,10 +61,11 @@ def stack(tmp_path_factory, slow_model_dir):
     # so do the replicas their fault injection
     os.environ[PROXY_HOOK] = "raypai.serving.limits.proxy_middlewares"
     os.environ[FAULTS_ENV] = json.dumps({"down_while_exists": str(outage)})
+    os.environ[METRICS_EVERY] = "1000"  # Ray's metrics reported each second (default 10 s): the metrics test
     try:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     finally:
-        del os.environ[PROXY_HOOK], os.environ[FAULTS_ENV]
+        del os.environ[PROXY_HOOK], os.environ[FAULTS_ENV], os.environ[METRICS_EVERY]
     ctl = Controller(settings, store=store, tracker=tracker, limits=LIMITS, freshness=FRESHNESS)
     ctl.create(
         "lim",
@@ -606,3 +608,54 @@ def test_the_token_cache_lifetime_defaults_to_a_minute_and_is_read_from_the_envi
     assert Freshness.from_env({"RAYPAI_SERVE_TOKEN_TTL_S": "2"}).token_ttl_s == 2.0
     with pytest.raises(ConfigError, match="RAYPAI_SERVE_TOKEN_TTL_S='0'"):
         Freshness.from_env({"RAYPAI_SERVE_TOKEN_TTL_S": "0"})
+
+
+def _scrape(names: list[str], timeout: float = 60) -> str:
+    """The node's Prometheus text (Ray's metrics agent) once every one of `names` is in it."""
+    port = ray._private.worker._global_node.metrics_export_port
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            text = ""
+        if all(n in text for n in names):
+            return text
+        time.sleep(1)
+    missing = [n for n in names if n not in text]
+    raise AssertionError(f"not exported within {timeout} s: {missing}")
+
+
+def _value(text: str, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_serving_metrics_reach_prometheus_through_rays_metrics(stack):
+    """Queue depth, in-flight rows, rejections by reason, time to first token and tokens/s per
+    deployment and version, scraped from the node's metrics agent as Prometheus would."""
+    version = stack["app"].rsplit("-v", 1)[1]
+    answer = _complete(stack, max_tokens=6)
+    assert answer.status_code == 200
+    produced = answer.json()["usage"]["completion_tokens"]
+    assert httpx.post(BASE + "/v1/completions", json={"model": "lim", "prompt": "x"}, timeout=30).status_code == 401
+    text = _scrape(
+        [
+            "ray_raypai_serve_ttft_seconds_count",
+            "ray_raypai_serve_rejections_total",
+            "ray_raypai_serve_inflight_rows",
+            "ray_raypai_serve_queue_depth",
+            "ray_raypai_serve_generated_tokens_total",
+        ]
+    )
+    tags = {"deployment": "lim", "version": version}
+    assert _value(text, "ray_raypai_serve_ttft_seconds_count", **tags) >= 1
+    assert _value(text, "ray_raypai_serve_generated_tokens_total", **tags) >= produced >= 1
+    assert _value(text, "ray_raypai_serve_rejections_total", reason="missing_token") >= 1
+    # nothing is decoding now: the last values sent are an idle replica's
+    assert _value(text, "ray_raypai_serve_inflight_rows", **tags) == 0
+    assert _value(text, "ray_raypai_serve_queue_depth", **tags) == 0
