@@ -144,7 +144,7 @@ def length_mod_5(prompts, completions, **_) -> list[float]:
 # Each row names its workload; the model folders are built once per invocation, in a process of
 # their own (building imports raypai's tokenizer trainer, which imports Ray, though it starts none).
 WORKLOADS = {
-    # 0.79 M-parameter Llama, raypai's tokenizer and chat template; short prompts, ≤ 16 new tokens
+    # a 0.63 M-parameter Llama, raypai's tokenizer and chat template; short prompts, ≤ 16 new tokens
     "toy": {"batches": "1x8,8x8", "max_new_tokens": 16, "steps": 20, "dpo_steps": 100, "reward": "exact_match"},
     # a 9.8 M-parameter Qwen2 (hidden 256, 6 layers, 4 heads / 2 KV heads, MLP 1024, vocab 7,600,
     # untied embeddings), ChatML: a random model of this vocabulary rarely stops, so ≈ 64 new tokens

@@ -1,15 +1,16 @@
 """Alignment throughput, raypai against TRL, every row in its own process (issue #36 item 4).
 
-    .venv/bin/python benchmarks/align_grpo.py                     # both workloads, 3 rounds: ≈ 60-75 min on 2 quiet cores
-    .venv/bin/python benchmarks/align_grpo.py --smoke             # every kind of row once, tiny: a few minutes
+    .venv/bin/python benchmarks/align_grpo.py                     # both workloads, 3 rounds: ≈ 40-50 min on 2 quiet cores
+    .venv/bin/python benchmarks/align_grpo.py --smoke             # every kind of row once, tiny: ≈ 5 min (10 on a loaded machine)
     .venv/bin/python benchmarks/align_grpo.py --workload compute --only grpo --rounds 1
     .venv/bin/python benchmarks/align_grpo.py --workload toy --variants '' --trl-threads 1,2   # headline rows only
 
 The rules (benchmarks/RESULTS.md, "How the alignment figures are measured"):
 - each row is a process of its own (`--one '<spec>'`, run by `_harness.run_row`). A raypai row
-  starts a local Ray and stops it; a TRL row never imports Ray. Before each row the parent waits
-  for every Ray daemon on the machine to exit and records any it still found
-  (`ray_processes_at_start`, 0 in an honest row) and the TRL row records `ray_imported: false`;
+  starts a local Ray and stops it; a TRL row never imports Ray (`ray_imported: false`). Before
+  each row the parent waits for the last row's Ray to exit and records every Ray daemon still
+  alive on the machine, anyone's (`ray_processes_at_start`: 0 in an honest row; a `warning` line
+  first when Ray was running before the harness began: not a quiet machine);
 - the headline rows are fp32 on both sides, raypai at its defaults (`GRPOConfig()`/`DPOConfig()`
   but the workload's sizes) against TRL at its best torch thread count (`--trl-threads`);
 - non-default raypai settings are rows of their own, `headline: false` (`--variants`): `async`
@@ -23,8 +24,9 @@ The rules (benchmarks/RESULTS.md, "How the alignment figures are measured"):
 
 Workloads (`--workload toy|compute|both`, `_harness.WORKLOADS`), `a+b=` chat prompts, β = 0,
 lr 1e-6, token-mean (`dapo`) loss, temperature 1:
-- toy: issue #14's 0.79 M-parameter Llama, raypai's tokenizer, `--batches` 1x8 and 8x8 prompts ×
-  samples a step, ≤ 16 new tokens, 20 steps, the exact-answer reward; DPO 8 pairs a step, 100 steps;
+- toy: issue #14's random Llama (0.63 M parameters as built), raypai's tokenizer, `--batches`
+  1x8 and 8x8 prompts × samples a step, ≤ 16 new tokens, 20 steps, the exact-answer reward; DPO
+  8 pairs a step, 100 steps;
 - compute: a 9.8 M-parameter Qwen2 (hidden 256, 6 layers, MLP 1024, vocab 7,600), 8x8, ≤ 64 new
   tokens (a random model of this vocabulary rarely stops), 10 steps, reward = the completion's
   length mod 5 (so groups differ and every update is a real one); DPO 8 pairs a step, 30 steps.
