@@ -68,6 +68,8 @@ class SharedWeights:
         self.entries, self.total, self.digest = layout(state)
         # each tensor's dtype in the buffer, which a writer or reader of another dtype casts to and from
         self.dtypes = [t.dtype for t in state.values()]
+        self.shapes = [tuple(t.shape) for t in state.values()]
+        self.index = {name: i for i, name in enumerate(state)}
         if create:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "wb") as f:
@@ -144,6 +146,24 @@ class SharedWeights:
         else:
             for t, view in self._views(state):
                 view.copy_(t.detach())
+        self.head[1] = self.digest
+        self.head[0] = version
+        return self.total - HEADER
+
+    def write_parts(self, parts, version: int) -> int:
+        """`write` from (name, tensor) pairs as they come (a ZeRO-3 trainer's gathered buckets: each
+        copied into its slice at once, so no whole copy of the model is assembled first); every
+        entry of the layout must come, then the version is stamped."""
+        self.head[0] = -1
+        seen = set()
+        for name, t in parts:
+            i = self.index[name]
+            _, offset, nbytes = self.entries[i]
+            self.buf[offset : offset + nbytes].view(self.dtypes[i]).view(self.shapes[i]).copy_(t.detach())
+            seen.add(name)
+        if len(seen) != len(self.entries):
+            missing = [n for n in self.index if n not in seen]
+            raise RuntimeError(f"weights sync: {len(missing)} tensors were not written (first: {missing[0]})")
         self.head[1] = self.digest
         self.head[0] = version
         return self.total - HEADER

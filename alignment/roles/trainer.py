@@ -39,6 +39,10 @@ TRAIN_FLOPS_PER_THREAD = 2.5e9
 HEADS = ("causal_lm", "token_value", "score")
 
 
+# a ZeRO-3 trainer's weight sync gathers this many bytes of parameters at a time (`_gathered_parts`)
+SYNC_BUCKET_BYTES = 64 * 2**20
+
+
 def _load(model_dir: str, head: str, ds_conf: dict | None = None):
     """The model of `head` from `model_dir`. With a ZeRO-3 DeepSpeed config (`ds_conf`) it is built
     and loaded under `deepspeed.zero.Init` (transformers' DeepSpeed integration): each rank
@@ -198,6 +202,7 @@ class Trainer(Sleeps):
         self.engine = make_engine(model, lr=lr, conf=conf, use_gpu=self.device.type == "cuda")
         self.held: dict = {}
         self._forward = _Forward(self)
+        self.sync_bucket_bytes = SYNC_BUCKET_BYTES  # ZeRO-3: parameters gathered at a time for a weight sync
 
     @staticmethod
     def _shared_path():
@@ -412,6 +417,35 @@ class Trainer(Sleeps):
             return self.engine._zero3_consolidated_16bit_state_dict()  # fp32 here: "16bit" is its name only
         return None if self.rank else self.engine.module.state_dict()
 
+    def _gathered_parts(self, bucket_bytes: int = SYNC_BUCKET_BYTES):
+        """(state-dict name, whole tensor) of a ZeRO-3 model, gathered `bucket_bytes` of parameters at a
+        time (every rank must iterate it to the end: each bucket is a collective); tied weights are
+        gathered once and given under each of their names; buffers are whole on every rank. A tensor
+        is valid only until the next one is asked for (its bucket is released after)."""
+        import deepspeed
+
+        module = self.engine.module
+        names_of: dict[int, list[str]] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.nn.Parameter):
+                names_of.setdefault(id(t), []).append(name)
+                params[id(t)] = t
+            else:
+                yield name, t  # a buffer (rotary inv_freq, ...): not partitioned
+        bucket, size, last = [], 0, next(reversed(params), None)
+        self.sync_buckets = 0  # gathers of the last sync (tests and tracing read it)
+        for key, p in params.items():
+            bucket.append(key)
+            size += p.ds_numel * p.element_size()
+            if size >= bucket_bytes or key == last:
+                self.sync_buckets += 1
+                with deepspeed.zero.GatheredParameters([params[k] for k in bucket], modifier_rank=None):
+                    for k in bucket:
+                        for name in names_of[k]:
+                            yield name, params[k].data
+                bucket, size = [], 0
+
     def rank_memory(self) -> dict:
         """This rank's model state in bytes: `params`, its own share of the parameters (at ZeRO-3 its
         partitions); `optimizer`, the optimizer's state and the fp32 master partitions ZeRO ≥ 1 keeps
@@ -461,6 +495,22 @@ class Trainer(Sleeps):
         if self._live:
             self._shared.stamp(self.updates_done)
             return self._shared.path, self.updates_done, True
+        if self.zero_stage == 3:
+            # gathered bucket by bucket straight into the buffer: no whole copy of the model first
+            if self._shared is None and self.rank == 0:
+                module = self.engine.module
+                like = {
+                    k: torch.empty(getattr(t, "ds_shape", t.shape), dtype=self.sync_dtype or t.dtype, device="meta")
+                    for k, t in module.state_dict(keep_vars=True).items()
+                }
+                self._shared = SharedWeights(self._shared_path(), like, create=True)
+            parts = self._gathered_parts(self.sync_bucket_bytes)
+            if self.rank:
+                for _ in parts:  # every rank takes part in each bucket's gather
+                    pass
+                return None
+            self._shared.write_parts(parts, self.updates_done)
+            return self._shared.path, self.updates_done, False
         state = self._whole_state()
         if state is None:
             return None  # not rank 0: the buffer is rank 0's
