@@ -80,6 +80,7 @@ def create_app(settings: Settings, controller: Controller | None = None, reconci
             max_queued_requests=body.max_queued_requests,
             request_timeout_s=body.request_timeout_s,
             drain_timeout_s=body.drain_timeout_s,
+            engine=body.engine,
         )
 
     @app.get("/api/v1/deployments", dependencies=[Depends(require_deploy)])

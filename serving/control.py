@@ -18,6 +18,7 @@ from raypai.serving.canary import CanaryPolicy
 from raypai.serving.limits import Limits
 from raypai.serving.model_server import ModelServer
 from raypai.serving.router import Freshness, Router, app_name
+from raypai.serving.vllm_server import VllmServer, resolve_engine
 from raypai.settings import Settings
 from raypai.store import MetadataStore
 from raypai.tracking import ADAPTER_OF_TAG, Tracker
@@ -97,8 +98,11 @@ class Controller:
             )
 
     def _run_version(self, name: str, spec: DeploymentSpec, version: int) -> None:
+        # the engine `create` resolved (a spec stored before engines existed reads "auto": resolved here)
+        engine = resolve_engine(spec.engine, spec.gpus)
+        server_cls = VllmServer if engine == "vllm" else ModelServer
         opts = {
-            "name": "ModelServer",
+            "name": server_cls.name,
             "ray_actor_options": {"num_cpus": spec.cpus, "num_gpus": spec.gpus},
             "max_ongoing_requests": spec.max_ongoing_requests,
             # waiting at the router (the caller) past this: BackPressureError, answered 503 + Retry-After
@@ -112,7 +116,7 @@ class Controller:
             opts["autoscaling_config"] = spec.autoscaling
         else:
             opts["num_replicas"] = spec.replicas
-        server = ModelServer.options(**opts).bind(
+        server = server_cls.options(**opts).bind(
             spec.model,
             version,
             self.settings.mlflow_tracking_uri,
@@ -159,9 +163,11 @@ class Controller:
         max_queued_requests: int = DEFAULTS["max_queued_requests"],
         request_timeout_s: float = DEFAULTS["request_timeout_s"],
         drain_timeout_s: float = DEFAULTS["drain_timeout_s"],
+        engine: str = DEFAULTS["engine"],
     ) -> dict:
         """Deploy `model` at `version`, or at the version behind `alias` (neither: DEFAULT_ALIAS); the
-        defaults are the deployment spec's (raypai.deployment.DEFAULTS)."""
+        defaults are the deployment spec's (raypai.deployment.DEFAULTS). `engine` "auto" is resolved
+        here (vLLM for a GPU deployment where vLLM imports, else raypai's) and the spec stores the result."""
         if self.store.get_deployment(name) is not None:
             raise DeploymentConflict(
                 f"deployment {name!r} already exists; change its version or scale with "
@@ -181,7 +187,9 @@ class Controller:
             max_queued_requests=max_queued_requests,
             request_timeout_s=request_timeout_s,
             drain_timeout_s=drain_timeout_s,
+            engine=engine,  # validated by the spec (ConfigError naming the choices)
         )
+        spec = replace(spec, engine=resolve_engine(spec.engine, spec.gpus))
         self.start()
         # insert-or-fail: of two concurrent creates of `name`, the second gets DeploymentConflict (409)
         rec = self.store.create_deployment(name, spec, "deploying")

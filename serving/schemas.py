@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raypai.deployment import DEFAULT_ALIAS, DEFAULTS
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS, ENGINES
 
 MAX_TOKENS_LIMIT = 2048
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -105,6 +105,11 @@ class DeploymentCreate(BaseModel):
         ge=0,
         le=3600,
         description="a replica being removed finishes its requests for up to this long",
+    )
+    engine: Literal[ENGINES] = Field(
+        default=DEFAULTS["engine"],
+        description="raypai, vllm, or auto: vLLM when the deployment asks for GPUs and vLLM is installed, "
+        "else raypai's engine (the spec stores the one chosen)",
     )
 
     @field_validator("name")

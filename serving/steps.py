@@ -81,6 +81,8 @@ def deploy(
     name: str,
     replicas: int = DEFAULTS["replicas"],
     cpus: float = DEFAULTS["cpus"],
+    gpus: float = DEFAULTS["gpus"],
+    engine: str = DEFAULTS["engine"],
     require_promoted: bool = False,
     evaluation: dict | None = None,
     min_metrics: dict[str, float] | None = None,
@@ -88,7 +90,9 @@ def deploy(
     """Create the deployment `name` serving `registered` (the `register` step's output), or roll its
     stable version forward to it (the new version starts before the old one stops). Skipped, with the
     reason, when `require_promoted` and the evaluation did not promote it, or when a metric in
-    `min_metrics` (e.g. {"accuracy_candidate": 0.5}) is below its threshold in `evaluation`."""
+    `min_metrics` (e.g. {"accuracy_candidate": 0.5}) is below its threshold in `evaluation`.
+    `engine` ("raypai", "vllm", "auto": vLLM when `gpus` > 0 and vLLM imports) applies when it creates
+    the deployment; a roll-forward keeps the deployment's engine."""
     from raypai.serving.control import Controller
     from raypai.store import MetadataStore
 
@@ -101,7 +105,9 @@ def deploy(
     )
     existing = ctl.spec(name)
     if existing is None:
-        out = ctl.create(name, registered["model"], registered["version"], replicas=replicas, cpus=cpus)
+        out = ctl.create(
+            name, registered["model"], registered["version"], replicas=replicas, cpus=cpus, gpus=gpus, engine=engine
+        )
     elif existing.version == registered["version"]:
         ctl.reconcile()  # same version: make sure Serve still has it
         out = ctl.describe(name)

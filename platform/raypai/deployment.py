@@ -18,10 +18,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 
 from raypai.config import parse_config
+from raypai.errors import ConfigError
 
 DEFAULT_MAX_BATCH_SIZE = 16  # requests one engine step decodes together
 DEFAULT_BATCH_WAIT_S = 0.01  # how long the engine thread waits to group arrivals into one batch
 DEFAULT_ALIAS = "champion"  # the registry alias `register` moves and a deploy without a version resolves
+# the engine a replica decodes with: raypai's own (raypai.serving.engine), vLLM (raypai.serving.vllm_server),
+# or auto: vLLM when the deployment asks for GPUs and vLLM imports, else raypai's (resolved at create time)
+ENGINES = ("raypai", "vllm", "auto")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,13 @@ class DeploymentSpec:
     max_queued_requests: int = 128  # waiting at the router for a replica; past it 503 + Retry-After
     request_timeout_s: float = 300.0  # one answer (a stream included), then 504 and its engine row freed
     drain_timeout_s: float = 60.0  # a replica being removed finishes its requests for up to this long
+    engine: str = "auto"  # one of ENGINES; the control plane stores the one `auto` resolved to
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                [f"engine must be one of {', '.join(ENGINES)} (got {self.engine!r})"], what="deployment spec"
+            )
 
     def served(self) -> list[tuple[int, str]]:
         """(version, role) of every version with a Serve application: the stable one, then the canary."""
@@ -110,6 +121,7 @@ __all__ = [
     "Batching",
     "DEFAULTS",
     "DEFAULT_ALIAS",
+    "ENGINES",
     "DEFAULT_MAX_BATCH_SIZE",
     "DEFAULT_BATCH_WAIT_S",
 ]
