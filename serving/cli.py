@@ -3,6 +3,7 @@
     raypai token create ci --scope deploy --scope infer
     raypai server                  # port 8080, or a free one when 8080 is taken
     RAYPAI_TOKEN=… raypai deploy create tinychat --model tinychat --alias champion
+    RAYPAI_TOKEN=… raypai deploy create big --model tinychat --max-ongoing-requests 32 --request-timeout-s 120
     RAYPAI_TOKEN=… raypai deploy update tinychat --canary-version 4 --canary-percent 20
 
 `deploy` commands talk HTTP to the deploy API at $RAYPAI_API_URL (default: where `raypai server` runs)
@@ -18,7 +19,7 @@ from typing import List, Optional
 import typer
 
 from raypai import exits
-from raypai.deployment import DEFAULT_ALIAS, DEFAULTS
+from raypai.deployment import DEFAULT_ALIAS, DEFAULTS, ENGINES
 
 deploy_app = typer.Typer(help="Deployments (talks to the deploy API over HTTP).", no_args_is_help=True)
 token_app = typer.Typer(help="API tokens (stored hashed; shown once).", no_args_is_help=True)
@@ -99,6 +100,28 @@ def create(
     min_replicas: Optional[int] = typer.Option(None, help="autoscale from this many replicas…"),
     max_replicas: Optional[int] = typer.Option(None, help="…up to this many"),
     max_batch_size: int = DEFAULTS["max_batch_size"],
+    batch_wait_timeout_s: float = typer.Option(
+        DEFAULTS["batch_wait_timeout_s"], help="longest wait for a batch to fill (s)"
+    ),
+    max_kv_cells: int = typer.Option(
+        DEFAULTS["max_kv_cells"], help="KV budget per replica: rows x (longest prompt + max_tokens)"
+    ),
+    max_ongoing_requests: int = typer.Option(
+        DEFAULTS["max_ongoing_requests"], help="requests one replica holds at once"
+    ),
+    max_queued_requests: int = typer.Option(
+        DEFAULTS["max_queued_requests"], help="requests waiting for a replica; past it 503 + Retry-After"
+    ),
+    request_timeout_s: float = typer.Option(
+        DEFAULTS["request_timeout_s"], help="limit on one answer, a stream included; then 504 (s)"
+    ),
+    drain_timeout_s: float = typer.Option(
+        DEFAULTS["drain_timeout_s"], help="a replica being removed finishes its requests for up to this long (s)"
+    ),
+    engine: str = typer.Option(
+        DEFAULTS["engine"],
+        help=f"{' | '.join(ENGINES)}; auto: vLLM when --gpus > 0 and vLLM is installed, else raypai's",
+    ),
 ):
     body = {
         "name": name,
@@ -109,6 +132,13 @@ def create(
         "cpus": cpus,
         "gpus": gpus,
         "max_batch_size": max_batch_size,
+        "batch_wait_timeout_s": batch_wait_timeout_s,
+        "max_kv_cells": max_kv_cells,
+        "max_ongoing_requests": max_ongoing_requests,
+        "max_queued_requests": max_queued_requests,
+        "request_timeout_s": request_timeout_s,
+        "drain_timeout_s": drain_timeout_s,
+        "engine": engine,
     }
     if min_replicas is not None or max_replicas is not None:
         body["autoscaling"] = {
