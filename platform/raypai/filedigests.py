@@ -75,9 +75,15 @@ class FileDigests:
 
 
 def _remote(uri: str) -> dict:
-    """A URI's listing (relative path, size, mtime per object) digested: a changed object changes it.
-    pyarrow's listing carries no ETag, so an object rewritten with the same size within one mtime
-    tick would go unseen; the objects themselves are not read."""
+    """A URI's listing digested: a changed object changes it. On S3 (boto3 installed) each object's
+    ETag and size: the ETag is S3's own digest of the content (the MD5 of a single-part upload, of
+    the parts' MD5s for a multipart one), so a same-size rewrite changes it, without reading the
+    objects. Elsewhere (or without boto3) pyarrow's listing: relative path, size and mtime, where an
+    object rewritten with the same size within one mtime tick would go unseen."""
+    if uri.startswith("s3://"):
+        etags = _s3_etags(uri)
+        if etags is not None:
+            return etags
     import pyarrow.fs as pafs
 
     try:
@@ -94,3 +100,33 @@ def _remote(uri: str) -> dict:
         h.update(f"{rel}\0{i.size}\0{mtime}\n".encode())
         total += i.size or 0
     return {"uri": uri, "listing": h.hexdigest(), "bytes": total}
+
+
+def _s3_etags(uri: str) -> dict | None:
+    """{uri, etags: sha256 over (relative key, size, ETag) of every object under `uri`, bytes}, or
+    None where boto3 is missing or the listing fails (the pyarrow listing is tried then). The
+    endpoint and credentials come from the environment, as pyarrow's (AWS_ENDPOINT_URL, ...)."""
+    try:
+        import boto3
+    except ImportError:
+        return None
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    prefix = prefix.rstrip("/")
+    try:
+        client = boto3.client("s3")
+        objects = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                key = o["Key"]
+                if key == prefix or key.startswith(prefix + "/") or not prefix:
+                    rel = os.path.basename(key) if key == prefix else key[len(prefix) :].lstrip("/")
+                    objects.append((rel, o["Size"], o["ETag"].strip('"')))
+    except Exception:  # noqa: BLE001 - unreachable, no credentials: the pyarrow listing says what is wrong
+        return None
+    if not objects:
+        return None
+    h, total = hashlib.sha256(), 0
+    for rel, size, etag in sorted(objects):
+        h.update(f"{rel}\0{size}\0{etag}\n".encode())
+        total += size
+    return {"uri": uri, "etags": h.hexdigest(), "bytes": total}
