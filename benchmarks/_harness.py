@@ -76,19 +76,26 @@ def run_row(
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
+    # its own process group: a row that runs past timeout_s (or a parent stopped by ^C) takes its
+    # whole group with it (the Ray it started too: its daemons stay in the group)
+    proc = subprocess.Popen(
+        [sys.executable, script, "--one", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, script, "--one", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout_s,
-            cwd=Path(script).parent,
-        )
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
-        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+        out, err = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        out, err = proc.communicate()
+        rc = f"timeout after {timeout_s:.0f} s"
+    except BaseException:
+        _stop_group(proc)
+        raise
     wall = time.perf_counter() - t0
     lines = [ln[len(MARK) :] for ln in out.splitlines() if ln.startswith(MARK)]
     row = json.loads(lines[-1]) if lines and rc == 0 else {"error": f"exit {rc}: {err.strip()[-2000:]}"}
@@ -101,6 +108,22 @@ def run_row(
         "load_avg_1m_at_start": load,
         "cpus": os.cpu_count(),
     }
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGTERM the row's process group, SIGKILL it after `grace_s`."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class Steps:

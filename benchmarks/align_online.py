@@ -1,6 +1,6 @@
 """Online DPO and PPO step time, raypai only, every row in its own process (issue #36 item 4).
 
-    .venv/bin/python benchmarks/align_online.py                   # both loops, both workloads, 3 rounds: ≈ 10 min on 2 quiet cores
+    .venv/bin/python benchmarks/align_online.py                   # both loops, both workloads, 3 rounds: ≈ 10-15 min on 2 quiet cores
     .venv/bin/python benchmarks/align_online.py --smoke           # each row once, tiny: a few minutes
     .venv/bin/python benchmarks/align_online.py --only online_dpo --workload toy --rounds 6
 
