@@ -110,6 +110,16 @@ def run_row(
     }
 
 
+def stop_rows_on_sigterm() -> None:
+    """In the parent: a SIGTERM (`timeout`, `kill`) raises SystemExit, so the running row's process
+    group is stopped too (`run_row`) instead of living on, orphaned, with its Ray. A row killed while
+    DeepSpeed JIT-builds an op leaves torch's build lock behind (~/.cache/torch_extensions/.../lock),
+    and later DeepSpeed starts wait on it: remove that file if a raypai row then hangs at start."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def _stop_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
     """SIGTERM the row's process group, SIGKILL it after `grace_s`."""
     import signal

@@ -213,7 +213,7 @@ def row_trl_grpo(s: dict) -> dict:
     return {
         "samples_per_s": steady * prompts * group / seconds,
         "step_seconds": seconds / steady,
-        "first_step_seconds": stamps[0] - start,
+        "first_step_seconds": stamps[0] - start,  # with the trainer's own set-up inside train()
         "response_length": sum(lengths) / len(lengths),
         "time_generate_and_score": gen,
         "time_rest": seconds / steady - gen,
@@ -490,6 +490,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.steps, args.dpo_steps, args.trl_threads = 1, 3, 4, "1"
         args.batches, args.max_new_tokens = args.batches or "2x4", args.max_new_tokens or 8
+    h.stop_rows_on_sigterm()
     script = str(Path(__file__).resolve())
     out = tempfile.mkdtemp(prefix="align-bench-")
     workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]

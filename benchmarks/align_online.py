@@ -118,6 +118,7 @@ def main() -> None:
         return h.emit_child(row)
     if args.smoke:
         args.rounds, args.steps, args.max_new_tokens = 1, 3, args.max_new_tokens or 8
+    h.stop_rows_on_sigterm()
     script = str(Path(__file__).resolve())
     out = tempfile.mkdtemp(prefix="align-online-")
     workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]
