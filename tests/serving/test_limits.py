@@ -659,3 +659,40 @@ def test_serving_metrics_reach_prometheus_through_rays_metrics(stack):
     # nothing is decoding now: the last values sent are an idle replica's
     assert _value(text, "ray_raypai_serve_inflight_rows", **tags) == 0
     assert _value(text, "ray_raypai_serve_queue_depth", **tags) == 0
+
+
+def test_a_rollback_under_load_loses_no_in_flight_request(stack, slow_model_dir):
+    """A canary taking all the traffic is rolled back while a stream decodes on it: Serve drains its
+    replica (the spec's drain_timeout_s) rather than cutting it, so the rollback returns only once
+    the stream has finished, whole; the requests after it go to the stable version."""
+    ctl = stack["ctl"]
+    canary = ctl.tracker.register_model(slow_model_dir, "tiny")
+    ctl.update("lim", canary_version=canary, canary_percent=100)
+    canary_app = app_name("lim", canary)
+    # the router takes the new table at its next refresh: until a request is answered by the canary
+    _wait(lambda: str(canary) in str(_complete(stack).json().get("raypai_model_version")), timeout=30, every=0.2)
+    body = {"model": "lim", "prompt": "the quick", "max_tokens": 600, "temperature": 0, "stream": True}
+    started, got = threading.Event(), {"events": [], "status": None, "done_at": None}
+
+    def stream() -> None:
+        with httpx.stream("POST", BASE + "/v1/completions", json=body, headers=_auth(stack, "held0"), timeout=60) as r:
+            got["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    got["events"].append(json.loads(line[len("data: ") :]))
+                    started.set()
+        got["done_at"] = time.monotonic()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert started.wait(30)
+    rows = serve.get_app_handle(canary_app).info.remote().result(timeout_s=30)["active_rows"]
+    ctl.rollback("lim")  # returns once Serve deleted the canary's app, its replica drained first
+    rolled_at = time.monotonic()
+    client.join(timeout=60)
+    assert rows == 1  # the stream was decoding on the canary when the rollback began
+    assert got["status"] == 200 and not any("error" in e for e in got["events"]), got["events"][-1:]
+    assert got["events"][-1]["usage"]["completion_tokens"] == 600  # whole: not cut
+    assert got["done_at"] <= rolled_at + 0.5  # the rollback waited for it
+    assert canary_app not in serve.status().applications
+    assert _complete(stack).status_code == 200  # the stable version answers on
