@@ -445,6 +445,10 @@ def label(spec: dict) -> dict:
     return {"workload": spec["workload"], "algo": algo, "system": system, "variant": variant, "group": group}
 
 
+# a row's identity, copied from its spec into its JSON line
+KEEP = ("round", "workload", "algo", "system", "variant", "group", "dtype", "headline", "threads", "batch")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one row, spec as JSON
@@ -494,21 +498,23 @@ def main() -> None:
     script = str(Path(__file__).resolve())
     out = tempfile.mkdtemp(prefix="align-bench-")
     workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]
+    # Ray daemons alive before this harness began are someone else's: rows do not wait for them to
+    # exit, but each row counts them (ray_processes_at_start) and the summaries say so
+    foreign = frozenset(p["pid"] for p in h.ray_processes())
+    if foreign:
+        h.emit({"result": "warning", "ray_processes_before_start": len(foreign), "note": "not a quiet machine"})
     models = {}
     for wl in workloads:  # built in a process of its own, like every row
         built = h.run_row(
-            script, {"kind": "build", "name": f"build_{wl}", "workload": wl, "out": out, "seed": args.seed}
+            script,
+            {"kind": "build", "name": f"build_{wl}", "workload": wl, "out": out, "seed": args.seed},
+            foreign=foreign,
         )
         if "error" in built:
             raise SystemExit(f"building the {wl} workload failed: {built['error']}")
         h.emit({**built, "result": f"workload_{wl}"})
         models[wl] = built["model_dir"]
     rows: list[dict] = []
-    # Ray daemons alive before this harness began are someone else's: rows do not wait for them to
-    # exit, but each row counts them (ray_processes_at_start) and the summaries say so
-    foreign = frozenset(p["pid"] for p in h.ray_processes())
-    if foreign:
-        h.emit({"result": "warning", "ray_processes_before_start": len(foreign), "note": "not a quiet machine"})
     # rounds: every row once per round, so a slow spell of the machine hits all of them
     for rnd in range(1, args.rounds + 1):
         for wl in workloads:
@@ -530,19 +536,7 @@ def main() -> None:
                         ray_wait_s=args.ray_wait,
                         foreign=foreign,
                     )
-                keep = (
-                    "round",
-                    "workload",
-                    "algo",
-                    "system",
-                    "variant",
-                    "group",
-                    "dtype",
-                    "headline",
-                    "threads",
-                    "batch",
-                )
-                row = {**row, **{k: spec[k] for k in keep if k in spec}}
+                row = {**row, **{k: spec[k] for k in KEEP if k in spec}}
                 for k in ("steps", "max_new_tokens") if spec["algo"] == "grpo" else ("dpo_steps",):
                     row[k] = spec[k]
                 rows.append(row)

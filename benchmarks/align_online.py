@@ -128,7 +128,9 @@ def main() -> None:
     models = {}
     for wl in workloads:
         built = h.run_row(
-            script, {"kind": "build", "name": f"build_{wl}", "workload": wl, "out": out, "seed": args.seed}
+            script,
+            {"kind": "build", "name": f"build_{wl}", "workload": wl, "out": out, "seed": args.seed},
+            foreign=foreign,
         )
         if "error" in built:
             raise SystemExit(f"building the {wl} workload failed: {built['error']}")
