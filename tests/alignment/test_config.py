@@ -100,7 +100,9 @@ def test_gpu_requests_a_role_cannot_use_are_refused_naming_the_role_and_the_fix(
     ]
     with pytest.raises(ConfigError, match=r"GRPOConfig.gpus must be a share of one GPU in \[0, 1\] or a whole number"):
         GRPOConfig(gpus=2.5).validate()
-    with pytest.raises(ConfigError, match=r"GRPOConfig.placement 'spread' is unknown; choose one of colocated, separate"):
+    with pytest.raises(
+        ConfigError, match=r"GRPOConfig.placement 'spread' is unknown; choose one of colocated, separate"
+    ):
         GRPOConfig(gpus=2, placement="spread").validate()
     assert GRPOConfig(gpus=8, placement="separate").validate().gpu_share == 1.0
     with pytest.raises(ConfigError, match="gpus with async_rollout=True is not supported"):
