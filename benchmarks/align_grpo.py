@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -496,7 +497,15 @@ def main() -> None:
         args.batches, args.max_new_tokens = args.batches or "2x4", args.max_new_tokens or 8
     h.stop_rows_on_sigterm()
     script = str(Path(__file__).resolve())
-    out = tempfile.mkdtemp(prefix="align-bench-")
+    out = tempfile.mkdtemp(prefix="align-bench-")  # model folders and run outputs, removed at the end
+    try:
+        parent(args, script, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def parent(args, script: str, out: str) -> None:
+    """The rows of every round, each in its own process, then the summaries."""
     workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]
     # Ray daemons alive before this harness began are someone else's: rows do not wait for them to
     # exit, but each row counts them (ray_processes_at_start) and the summaries say so

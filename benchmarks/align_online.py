@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -120,7 +121,15 @@ def main() -> None:
         args.rounds, args.steps, args.max_new_tokens = 1, 3, args.max_new_tokens or 8
     h.stop_rows_on_sigterm()
     script = str(Path(__file__).resolve())
-    out = tempfile.mkdtemp(prefix="align-online-")
+    out = tempfile.mkdtemp(prefix="align-online-")  # model folders and run outputs, removed at the end
+    try:
+        parent(args, script, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def parent(args, script: str, out: str) -> None:
+    """The rows of every round, each in its own process, then the summaries."""
     workloads = ["toy", "compute"] if args.workload == "both" else [args.workload]
     foreign = frozenset(p["pid"] for p in h.ray_processes())  # someone else's Ray: counted in each row
     if foreign:
