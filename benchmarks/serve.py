@@ -310,7 +310,15 @@ def compare_vllm(args) -> None:
     rows: dict[str, dict[str, dict]] = {}
     for engine, python in (("raypai", sys.executable), ("vllm", str(VLLM_PYTHON))):
         if not Path(python).exists():
-            print(json.dumps({"bench": "serve", "engine": engine, "skipped": f"{python} absent: `make test-vllm`"}))
+            print(
+                json.dumps(
+                    {
+                        "bench": "serve",
+                        "engine": engine,
+                        "skipped": f"vLLM rows skipped: {python} is absent (`make test-vllm` builds it)",
+                    }
+                )
+            )
             continue
         proc = subprocess.run([python, __file__, "--engine", engine, *common], capture_output=True, text=True)
         for raw in proc.stdout.splitlines():
