@@ -109,8 +109,9 @@ _TESTS = Path(__file__).resolve().parent
 
 # Scale drills: several processes of one job (DeepSpeed ranks, Ray Train worker groups, a 2-node
 # cluster, the run on the production services) and the four-family matrix (every algorithm and a
-# deployment per family), each file many minutes long. `make test` leaves them to `make test-scale`,
-# which CI runs too (.ci/run): the `scale` marker.
+# deployment per family), each file many minutes long, and single drills marked `@pytest.mark.scale`
+# where they are (a 2-rank run, a kill-and-resume, the demo on taken ports, the second end-to-end run).
+# `make test` leaves them to `make test-scale`, which CI runs too (.ci/run).
 _SCALE_FILES = frozenset(
     {
         "alignment/test_ranks.py",

@@ -138,6 +138,7 @@ def test_stop_without_a_head_stops_nothing(tmp_path):
     assert runtime.stop_head(settings) == []
 
 
+@pytest.mark.scale  # a demo beside other Rays on taken ports: make test-scale
 def test_demo_runs_with_every_default_port_taken_and_demo_stop_spares_other_rays(tmp_path):
     """The demo's start-up path (`raypai ray start`, what `make demo` runs first) with Ray's 6379,
     8265, 10001, Serve's 8000 and the deploy API's 8080 all taken; a pipeline joins that head and

@@ -204,6 +204,7 @@ def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_pa
     assert ran == {"t-grpo/policy-0", "t-grpo/rollout-0", "t-grpo/reward-0"}, ran
 
 
+@pytest.mark.scale  # a 2-rank drill: make test-scale
 def test_dpo_and_grpo_learn_with_a_two_rank_policy(ray_align, sft, sloppy_sft, tmp_path):
     """The learning tests above with the policy as 2 ranks (gloo): DPO at ZeRO-2 with a 2-rank
     reference, GRPO at ZeRO-3 (every sync gathers the sharded policy into the rollout replica)."""
@@ -396,6 +397,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.scale  # a kill-and-resume drill: make test-scale
 def test_grpo_killed_mid_run_resumes_from_its_last_checkpoint(ray_align, sft, tmp_path):
     ckpt = tmp_path / "ckpt"
     # beta > 0: the reference's log-probs enter the loss (its actor is placed and queried)

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from raypai.pipelines.finetune import example_inputs, finetune
 from raypai.runner import Runner
 from raypai.store import MetadataStore
 
 
+@pytest.mark.scale  # the second end-to-end run (tinychat's stays in make test): make test-scale
 def test_finetune_pipeline_imports_aligns_deploys_with_lineage_to_the_files(raypai_home, tmp_path):
     from ray import serve
 

@@ -664,18 +664,26 @@ def test_serving_metrics_reach_prometheus_through_rays_metrics(stack):
 def test_a_rollback_under_load_loses_no_in_flight_request(stack, slow_model_dir):
     """A canary taking all the traffic is rolled back while a stream decodes on it: Serve drains its
     replica (the spec's drain_timeout_s) rather than cutting it, so the rollback returns only once
-    the stream has finished, whole; the requests after it go to the stable version."""
+    the stream has finished, whole; the requests after it go to the stable version. (A deployment of
+    its own: a request timeout long enough for seconds of decoding on a loaded machine.)"""
     ctl = stack["ctl"]
+    stable = int(stack["app"].rsplit("-v", 1)[1])
+    ctl.create("drain", "tiny", stable, request_timeout_s=120, max_batch_size=4)
     canary = ctl.tracker.register_model(slow_model_dir, "tiny")
-    ctl.update("lim", canary_version=canary, canary_percent=100)
-    canary_app = app_name("lim", canary)
+    ctl.update("drain", canary_version=canary, canary_percent=100)
+    canary_app = app_name("drain", canary)
+
+    def answered_by() -> str:
+        r = _complete(stack, model="drain")
+        return str(r.json().get("raypai_model_version")) if r.status_code == 200 else ""
+
     # the router takes the new table at its next refresh: until a request is answered by the canary
-    _wait(lambda: str(canary) in str(_complete(stack).json().get("raypai_model_version")), timeout=30, every=0.2)
-    body = {"model": "lim", "prompt": "the quick", "max_tokens": 600, "temperature": 0, "stream": True}
+    _wait(lambda: answered_by().endswith(f"/{canary}"), timeout=60, every=0.2)
+    body = {"model": "drain", "prompt": "the quick", "max_tokens": 1500, "temperature": 0, "stream": True}
     started, got = threading.Event(), {"events": [], "status": None, "done_at": None}
 
     def stream() -> None:
-        with httpx.stream("POST", BASE + "/v1/completions", json=body, headers=_auth(stack, "held0"), timeout=60) as r:
+        with httpx.stream("POST", BASE + "/v1/completions", json=body, headers=_auth(stack, "held0"), timeout=120) as r:
             got["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -685,14 +693,15 @@ def test_a_rollback_under_load_loses_no_in_flight_request(stack, slow_model_dir)
 
     client = threading.Thread(target=stream)
     client.start()
-    assert started.wait(30)
+    assert started.wait(60)
     rows = serve.get_app_handle(canary_app).info.remote().result(timeout_s=30)["active_rows"]
-    ctl.rollback("lim")  # returns once Serve deleted the canary's app, its replica drained first
+    ctl.rollback("drain")  # returns once Serve deleted the canary's app, its replica drained first
     rolled_at = time.monotonic()
-    client.join(timeout=60)
+    client.join(timeout=120)
     assert rows == 1  # the stream was decoding on the canary when the rollback began
     assert got["status"] == 200 and not any("error" in e for e in got["events"]), got["events"][-1:]
-    assert got["events"][-1]["usage"]["completion_tokens"] == 600  # whole: not cut
+    assert got["events"][-1]["usage"]["completion_tokens"] == 1500  # whole: not cut
     assert got["done_at"] <= rolled_at + 0.5  # the rollback waited for it
     assert canary_app not in serve.status().applications
-    assert _complete(stack).status_code == 200  # the stable version answers on
+    assert answered_by().endswith(f"/{stable}")  # the stable version answers on
+    ctl.delete("drain")

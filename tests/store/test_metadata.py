@@ -143,12 +143,13 @@ def test_deployment_spec_transitions_and_stored_json():
     assert (promoted.version, promoted.canary_version, promoted.previous_versions) == (4, None, (1, 2, 3))
     assert promoted.rolled_back() == DeploymentSpec(model="m", version=3, previous_versions=(1, 2))
     assert DeploymentSpec.from_dict(canary.to_dict()) == canary
-    assert canary.to_dict()["batching"] == {"max_batch_size": 16, "batch_wait_timeout_s": 0.01}
+    assert canary.to_dict()["batching"] == {"max_batch_size": 16, "batch_wait_timeout_s": 0.01, "max_kv_cells": 65536}
     with pytest.raises(ConfigError) as err:
         DeploymentSpec.from_dict({"model": "m", "verison": 3, "replicas": "two"})
     assert err.value.problems == [
         "unknown option 'verison' (did you mean 'version'?); valid options: model, version, canary_version, "
-        "canary_percent, previous_versions, replicas, autoscaling, cpus, gpus, batching, canary_policy",
+        "canary_percent, previous_versions, replicas, autoscaling, cpus, gpus, batching, canary_policy, "
+        "max_ongoing_requests, max_queued_requests, request_timeout_s, drain_timeout_s, engine",
         "replicas must be int (got str 'two')",
         "version is required (int)",
     ]
