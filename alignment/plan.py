@@ -543,10 +543,7 @@ def _options(algo: str, cfg) -> dict:
 # within one set of changed fields the least change wins: fewer ranks, a lower stage, a larger micro-batch
 def _least(changes: dict) -> tuple:
     return (
-        changes.get("ranks", 0)
-        + changes.get("reference_ranks", 0)
-        + changes.get("reward_ranks", 0)
-        + changes.get("rollout_replicas", 0),
+        sum(changes.get(k, 0) for k in ("ranks", "reference_ranks", "reward_ranks", "rollout_replicas")),
         changes.get("zero_stage", 0),
         changes.get("offload_optimizer", False),
         -(changes.get("micro_batch", 0) or 10**9),

@@ -1,4 +1,4 @@
-"""Fixtures for the infra tests: free loopback ports and the repository root."""
+"""Fixtures for the infra tests: free loopback ports, the repository root and a moto S3 server."""
 
 from __future__ import annotations
 
@@ -71,3 +71,26 @@ def running_services(tmp_path_factory, pg_server_url):
             for db in (cfg.mlflow_db, cfg.metadata_db):
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
         engine.dispose()
+
+
+@pytest.fixture
+def s3(free_port, monkeypatch):
+    """(boto3 client, bucket) of a running moto S3 server; the AWS variables point at it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for k, v in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "raypai",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3")
+    bucket = f"raypai-{os.urandom(4).hex()}"
+    client.create_bucket(Bucket=bucket)
+    yield client, bucket
+    server.stop()

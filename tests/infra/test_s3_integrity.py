@@ -7,36 +7,12 @@ objects without downloading them to disk.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from raypai.artifacts import MARKER, ArtifactStore
 from raypai.errors import DataError
-
-
-@pytest.fixture
-def s3(free_port, monkeypatch):
-    """(boto3 client, bucket) of a running moto S3 server; the AWS variables point at it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for k, v in {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "raypai",
-        "AWS_SECRET_ACCESS_KEY": "secret",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3")
-    bucket = f"raypai-{os.urandom(4).hex()}"
-    client.create_bucket(Bucket=bucket)
-    yield client, bucket
-    server.stop()
 
 
 def _saved(tmp_path: Path, bucket: str):
