@@ -126,6 +126,12 @@ def resume_state(
     return start, extra
 
 
+def sync_dtype(cfg) -> str | None:
+    """The dtype a trainer hands its weights to the rollout replicas in: theirs (bf16 in a bf16 run,
+    `Resources.precision`), None for the trainer's own fp32."""
+    return "bfloat16" if cfg.dtype() == "bfloat16" else None
+
+
 class Run:
     """A driver's roles, from placement to shutdown:
 
@@ -183,6 +189,7 @@ class Run:
             activation_checkpointing=cfg.activation_checkpointing,
             offload_optimizer=cfg.offload_optimizer,
             timeout_s=cfg.collective_timeout_s,
+            compute_dtype=cfg.dtype(),
             **kwargs,
         )
 
@@ -199,6 +206,7 @@ class Run:
             return BaseOf(policy)
         if cfg.reference_zero3:
             kwargs["zero3"] = True
+        kwargs.setdefault("dtype", cfg.dtype())
         return self.place_ranks("reference", Reference, model_dir, timeout_s=cfg.collective_timeout_s, **kwargs)
 
     def place_sampling(
@@ -215,8 +223,10 @@ class Run:
             engine=cfg.rollout_engine,
             compiled=cfg.compile_rollout,
             device=device,
-            gpu_share=self.placement.specs["rollout"].gpus,
-            per_replica=lambda i: {"seed": cfg.seed + i},
+            dtype=cfg.dtype(),
+            gpu_share=self.placement.share["rollout"],  # of each of its GPUs
+            # a replica over several GPUs (rollout_tensor_parallel): the bundles of its engine's workers
+            per_replica=lambda i: {"seed": cfg.seed + i, **self.placement.tensor_parallel("rollout", i)},
             **rollout,
         )
         rm = reward_model_dir if inputs.use_rm else None

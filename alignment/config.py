@@ -9,7 +9,8 @@ Each setting is declared once, in the part it belongs to, with its check next to
                     checkpoint_every, clip_eps            GRPO, PPO: sample, score, learn
     Optimisation  lr, seed, zero_stage
     Lengths       max_length, truncation
-    Sampling      max_new_tokens, temperature, top_p, rollout_engine, compile_rollout
+    Sampling      max_new_tokens, temperature, top_p, rollout_engine, compile_rollout,
+                  rollout_tensor_parallel
     Resources     gpus
     Scale         ranks, reference_ranks, micro_batch, activation_checkpointing, offload_optimizer,
                   collective_timeout_s, memory_gb
@@ -244,10 +245,36 @@ class Sampling(_Part):
     # torch.compile raypai's decoding step on CPUs: about half the time per token on small models,
     # after a compile of 10-30 s per batch shape in each rollout process (worth it for long runs)
     compile_rollout: bool = False
+    # GPUs each rollout replica's vLLM engine shards the model over (vLLM's tensor_parallel_size, on one
+    # node; `raypai.alignment.placement`): for a model one GPU cannot hold. 1 = a replica on one device
+    rollout_tensor_parallel: int = 1
 
     def _problems(self) -> list[str]:
         name = type(self).__name__
-        p = _above_zero(self, {"max_new_tokens": "tokens sampled after each prompt"})
+        p = _above_zero(
+            self,
+            {
+                "max_new_tokens": "tokens sampled after each prompt",
+                "rollout_tensor_parallel": "GPUs per rollout replica",
+            },
+        )
+        tp, gpus = self.rollout_tensor_parallel, getattr(self, "gpus", 0)
+        if tp > 1 and self.rollout_engine != "vllm":
+            p.append(
+                f"{name}.rollout_tensor_parallel={tp} shards the rollout's model over GPUs, which only vLLM does "
+                f"(rollout_engine is {self.rollout_engine!r}): set rollout_engine='vllm' or rollout_tensor_parallel=1"
+            )
+        if tp > 1 and gpus < tp:
+            p.append(
+                f"{name}.rollout_tensor_parallel={tp} gives each rollout replica {tp} whole GPUs, but gpus={gpus:g}: "
+                f"set gpus to at least {tp} (whole GPUs), or rollout_tensor_parallel=1"
+            )
+        elif tp > 1 and getattr(self, "placement", "") == "colocated" and gpus % tp:
+            p.append(
+                f"{name}.rollout_tensor_parallel={tp} with placement='colocated' puts each replica on an aligned "
+                f"block of {tp} GPUs, which gpus={gpus:g} does not divide into: set gpus to a multiple of {tp}, or "
+                "placement='separate'"
+            )
         if self.temperature < 0:
             p.append(f"{name}.temperature must be ≥ 0 (got {self.temperature}); 0 = greedy")
         if not 0 < self.top_p <= 1:
@@ -277,6 +304,10 @@ class Resources(_Part):
     # with gpus > 1: "colocated" (every role's ranks spread over all the GPUs, time-sharing them) or
     # "separate" (every rank of a GPU role on a GPU of its own)
     placement: str = "colocated"
+    # the model roles' arithmetic: "bf16" (the trainer's forward under bf16 autocast over fp32 master
+    # weights and optimizer state; the rollout and reference hold bf16 weights), "fp32", or "auto":
+    # bf16 on GPUs and on CPUs with bf16 units (AVX-512 BF16, AMX), fp32 on other CPUs
+    precision: str = "auto"
 
     @property
     def gpu_share(self) -> float:
@@ -285,6 +316,7 @@ class Resources(_Part):
 
     def _problems(self) -> list[str]:
         from raypai.alignment.placement import PLACEMENTS
+        from raypai.alignment.roles._device import PRECISIONS
 
         name, p = type(self).__name__, []
         if self.gpus < 0 or (self.gpus > 1 and self.gpus != int(self.gpus)):
@@ -294,7 +326,18 @@ class Resources(_Part):
             )
         if self.placement not in PLACEMENTS:
             p.append(f"{name}.placement {self.placement!r} is unknown; choose one of {', '.join(PLACEMENTS)}")
+        if self.precision not in PRECISIONS:
+            p.append(
+                f"{name}.precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)} "
+                "('auto': bf16 where the device has bf16 units, else fp32)"
+            )
         return p
+
+    def dtype(self) -> str:
+        """The run's compute dtype, "bfloat16" or "float32" (`roles._device.run_dtype`)."""
+        from raypai.alignment.roles._device import run_dtype
+
+        return run_dtype(self.precision, self.gpus > 0)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_dtype, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -75,7 +75,10 @@ def run_grpo(
     specs = {
         "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
         "rollout": RoleSpec(
-            cpus=0.5, gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas, replicas=cfg.rollout_replicas
+            cpus=0.5,
+            gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas,
+            replicas=cfg.rollout_replicas,
+            tensor_parallel=cfg.rollout_tensor_parallel,
         ),
         # (with LoRA the reference is the policy's own base: no actor)
         **(
@@ -112,7 +115,7 @@ def run_grpo(
             threads=cfg.train_threads or shared,
             live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
             device=device["policy"],
-            sync_dtype="bfloat16" if g else None,
+            sync_dtype=sync_dtype(cfg),
         )
         rollouts, reward = run.place_sampling(
             model_dir,

@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, check_plan, resume_state, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume_state, rl_inputs, sync_dtype, sync_path
 from raypai.alignment._loop import asleep, launch, score_launched, scores_of
 from raypai.alignment._tensors import encode_pairs
 from raypai.alignment.checkpoint import save_run
@@ -67,7 +67,7 @@ def run_online_dpo(
         **(
             {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
         ),  # LoRA: the policy's base
-        "rollout": RoleSpec(cpus=0.5, gpus=g / 4),
+        "rollout": RoleSpec(cpus=0.5, gpus=g / 4, tensor_parallel=cfg.rollout_tensor_parallel),
         "reward": RoleSpec(cpus=0.25, replicas=cfg.reward_ranks),
     }
     device = "cuda" if g else "cpu"
@@ -82,7 +82,7 @@ def run_online_dpo(
             threads=threads,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,
-            sync_dtype="bfloat16" if g else None,
+            sync_dtype=sync_dtype(cfg),
         )
         reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         [rollout] = run.place(
@@ -94,7 +94,9 @@ def run_online_dpo(
             engine=cfg.rollout_engine,
             compiled=cfg.compile_rollout,
             device=device,
-            gpu_share=specs["rollout"].gpus,
+            dtype=cfg.dtype(),
+            gpu_share=run.placement.share["rollout"],
+            **run.placement.tensor_parallel("rollout", 0),
         )
         reward = run.place_reward(cfg, inputs.reward_fns)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once

@@ -21,6 +21,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from raypai.alignment.config import LIVE_ENGINES
 from raypai.errors import ConfigError
 from raypai.train.strategy import GB, model_state_bytes
 
@@ -468,17 +469,13 @@ def _rollout(s: Shape, cfg, rows: int, seq: int, gpu: bool):
     b, _, _, device = _frozen(s, rows, seq, 1, gpu)
     b["logits"] = rows * s.vocab * 4  # the sampled position only
     b["buffers"] = kv_cache_bytes(s, rows, seq, vb)
-    from raypai.alignment.config import LIVE_ENGINES
-
-    live = (
-        not gpu
-        and cfg.rollout_engine in LIVE_ENGINES
-        and not getattr(cfg, "async_rollout", False)
-        and cfg.zero_stage == 0
-        and cfg.ranks == 1
-        and not cfg.lora()
-    )
+    solo = cfg.zero_stage == 0 and cfg.ranks == 1 and not cfg.lora()  # one whole trainer to read
+    live = not gpu and cfg.rollout_engine in LIVE_ENGINES and not getattr(cfg, "async_rollout", False) and solo
     note = f"{rows} sequences per replica"
+    tp = getattr(cfg, "rollout_tensor_parallel", 1) if gpu else 1
+    if tp > 1:  # vLLM shards the weights and the KV cache's heads over the replica's tp GPUs: one GPU's bytes
+        b.update(params=-(-b["params"] // tp), buffers=-(-b["buffers"] // tp))
+        note += f", over {tp} GPUs (tensor parallel: the bytes of one)"
     if live:
         b["params"] = 0
         note += "; reads the policy's live parameters"

@@ -18,7 +18,7 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_path
+from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_dtype, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -66,7 +66,12 @@ def run_ppo(
     specs = {
         "policy": RoleSpec(cpus=1, gpus=0.4 * g, replicas=cfg.ranks),
         "critic": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.ranks),
-        "rollout": RoleSpec(cpus=0.5, gpus=0.2 * g / cfg.rollout_replicas, replicas=cfg.rollout_replicas),
+        "rollout": RoleSpec(
+            cpus=0.5,
+            gpus=0.2 * g / cfg.rollout_replicas,
+            replicas=cfg.rollout_replicas,
+            tensor_parallel=cfg.rollout_tensor_parallel,
+        ),
         **(
             {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.reference_ranks)}
         ),  # LoRA: the policy's base
@@ -89,7 +94,7 @@ def run_ppo(
             cfg,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,
-            sync_dtype="bfloat16" if g else None,
+            sync_dtype=sync_dtype(cfg),
         )
         critic = run.place_trained(
             "critic",

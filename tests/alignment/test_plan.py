@@ -149,6 +149,18 @@ def test_the_roles_each_algorithm_places(tiny_model):
     assert _row(P.plan("ppo", path, PPOConfig(gpus=1), reward_model_dir=path), "reward").device == "cpu"
 
 
+def test_a_tensor_parallel_rollout_replica_holds_its_share_of_the_weights_and_kv_cache(tiny_model):
+    """rollout_tensor_parallel = k: vLLM shards the weights and the KV heads over the replica's k GPUs,
+    so its row (the bytes of one of them) holds 1/k of each; what is not sharded (logits) is unchanged."""
+    one = GRPOConfig(rollout_engine="vllm", gpus=4)
+    whole = _row(P.plan("grpo", tiny_model, one), "rollout")
+    half = _row(P.plan("grpo", tiny_model, replace(one, rollout_tensor_parallel=2)), "rollout")
+    assert half.bytes["params"] == -(-whole.bytes["params"] // 2) and whole.bytes["params"] > 0
+    assert half.bytes["buffers"] == -(-whole.bytes["buffers"] // 2)
+    assert half.bytes["logits"] == whole.bytes["logits"]
+    assert "over 2 GPUs" in half.note and "over" not in whole.note
+
+
 def _saved_bytes(model, ids, lean: bool) -> int:
     """Bytes of the distinct tensors autograd saves for the backward of the trainer's log-prob
     forward (`_tensors.token_logprobs`), the parameters themselves left out."""
