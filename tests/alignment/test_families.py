@@ -30,56 +30,12 @@ import torch
 from raypai.alignment import DPOConfig, GRPOConfig, PPOConfig, SFTConfig, run_dpo, run_grpo, run_ppo, run_sft
 from raypai.alignment.data import load
 from raypai.alignment.tasks import arithmetic as ar
-from raypai.alignment.tasks.tiny import _bpe, build_tiny_model
 from raypai.chat import ChatFormat
 
 FAMILIES = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gpt2": "<|endoftext|>", "phi3": "<|end|>"}
 CHAT = {"llama3": True, "qwen2": True, "gpt2": False, "phi3": True}
 LEAN = {"llama3": True, "qwen2": True, "gpt2": False, "phi3": True}  # raypai's lean forward covers the family
 TRAIN, HELD = ar.split()
-
-# Phi-3-mini-instruct's template: every turn ends with <|end|>, and a conversation rendered without a
-# generation prompt ends with EOS (<|endoftext|>)
-PHI3_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ '<|system|>\n' + m['content'] + '<|end|>\n' }}"
-    "{% elif m['role'] == 'user' %}{{ '<|user|>\n' + m['content'] + '<|end|>\n' }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>\n' + m['content'] + '<|end|>\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
-)
-
-
-def build_tiny_phi3(out: Path, hidden: int = 64, layers: int = 2, vocab_size: int = 300) -> str:
-    """A random-init Phi3ForCausalLM and a byte-level BPE tokenizer with Phi-3's special tokens and
-    template (tokens trained on the tiny models' corpus, `raypai.alignment.tasks.tiny`). Its generation
-    config is the one `save_pretrained` writes (EOS only): <|end|> is found from the template."""
-    from transformers import Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=_bpe(vocab_size, specials),
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=specials[1:],
-    )
-    tok.chat_template = PHI3_TEMPLATE
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = Phi3Config(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        original_max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    Phi3ForCausalLM(cfg).save_pretrained(out)
-    return str(out)
-
 
 REWARDS = '''
 import json
@@ -129,14 +85,11 @@ def user_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, ray_plain, user_files, tmp_path_factory):
+def family(request, ray_plain, user_files, tmp_path_factory, tiny_family):
     """A tiny random model of the family, then SFT on the user's file in the family's natural format."""
     fam = request.param
     d = tmp_path_factory.mktemp(fam)
-    if fam == "phi3":
-        base = build_tiny_phi3(d / "base")
-    else:
-        base = build_tiny_model(d / "base", family=fam, hidden=64, layers=2)
+    base = tiny_family(fam, d / "base")
     tag = "chat" if CHAT[fam] else "plain"
     sft = run_sft(
         base,

@@ -135,29 +135,37 @@ def _replica_state(rollout) -> dict:
     return {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
 
 
-def test_a_zero3_policy_syncs_to_a_replica_bucket_by_bucket(ray8, tiny_model):
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gpt2", "phi3"])
+def test_a_zero3_policy_syncs_to_two_replicas_bucket_by_bucket(ray8, tmp_path, tiny_family, family):
     """A 2-rank ZeRO-3 policy writes its weights into the replicas' shared buffer gathered a few KB
-    of parameters at a time (never as one whole state dict first): the replica then holds exactly the
-    trained weights, tied and untied alike, and a second sync after another update too."""
+    of parameters at a time (never as one whole state dict first): both replicas then hold exactly
+    the trained weights, and after a second update and sync the second ones. Llama-3, Qwen2 (biased
+    q/k/v), GPT-2 (Conv1D layers, the LM head tied to the token embeddings, learned positions) and
+    Phi-3 (fused qkv_proj / gate_up_proj)."""
     from raypai.alignment.roles import Rollout
     from raypai.alignment.sync import sync_weights
 
-    steps = batches(tiny_model, [4, 4])
-    with Run("sync3", {"policy": RoleSpec(cpus=0.5, replicas=2), "rollout": RoleSpec(cpus=0.5)}) as run:
-        policy = run.place_policy(tiny_model, SFTConfig(lr=1e-2, zero_stage=3, ranks=2))
-        [rollout] = run.place("rollout", Rollout, tiny_model)
+    model_dir = tiny_family(family, tmp_path / family)
+    steps = batches(model_dir, [4, 4], examples=PLAIN if family == "gpt2" else EXAMPLES)
+    specs = {"policy": RoleSpec(cpus=0.5, replicas=2), "rollout": RoleSpec(cpus=0.5, replicas=2)}
+    with Run(f"sync3-{family}", specs) as run:
+        policy = run.place_policy(model_dir, SFTConfig(lr=1e-2, zero_stage=3, ranks=2))
+        rollouts = run.place("rollout", Rollout, model_dir)
         ray.get([a.__ray_call__.remote(lambda t: setattr(t, "sync_bucket_bytes", 4096)) for a in policy.actors])
         states = []
         for b in steps:
             ray.get(policy.update.remote(SFT(), SFT().assemble(b)))
-            out = sync_weights(policy, [rollout])
-            states.append((ray.get(policy.state_dict.remote()), ray.get(rollout.__ray_call__.remote(_replica_state))))
+            out = sync_weights(policy, rollouts)
+            replicas = ray.get([r.__ray_call__.remote(_replica_state) for r in rollouts])
+            states.append((ray.get(policy.state_dict.remote()), replicas))
         buckets = ray.get(policy.actors[0].__ray_call__.remote(lambda t: t.sync_buckets))
         run.summary = None
     assert out["sync_bytes"] > 0 and buckets > 5, buckets  # a tiny model's ~100 KB in 4 KB buckets
-    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
-    for want, got in states:
-        assert max_diff(want, {k: got[k] for k in want}) == 0.0
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for want, replicas in states:
+        assert len(replicas) == 2
+        for got in replicas:
+            assert max_diff(want, {k: got[k] for k in want}) == 0.0
         assert max_diff({k: start[k] for k in want}, want) > 1e-3  # the weights synced are the trained ones
     assert max_diff(states[0][0], states[1][0]) > 0  # and the second sync carried the second update
 
