@@ -44,8 +44,6 @@ INSTALL = (
     "rollout_engine='raypai'"
 )
 KV_CACHE_GB_CPU = 1  # VLLM_CPU_KVCACHE_SPACE unless the environment sets it: ample for rollout batches
-
-
 # vLLM's own default share of a GPU's memory: a replica with a whole GPU leaves the rest to CUDA's context
 GPU_MEMORY_CAP = 0.9
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
