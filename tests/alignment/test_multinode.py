@@ -7,9 +7,11 @@ GPUs than it has, or a bundle no single node can hold though the cluster's sum c
 once with the fix."""
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
+from ray._common.utils import get_ray_address_file
 from ray.cluster_utils import Cluster
 
 from raypai.alignment.placement import Placement, RoleSpec
@@ -25,9 +27,13 @@ def two_nodes(request):
     to; the driver is disconnected and both nodes stopped at the module's end, so the next module
     starts its own Ray (tests/conftest.py's shared one sees none running and starts it)."""
     if request.config.getoption("fast"):
-        pytest.skip("starts a 2-node Ray cluster: an integration test (`make test-scale` runs it)")
+        pytest.skip("starts a 2-node Ray cluster: an integration test (`make test` runs it; `make test-fast` does not)")
     if ray.is_initialized():
         ray.shutdown()  # the shared Ray a module before this one left
+    # the Cluster writes its address to Ray's "current cluster" file and deletes it at shutdown: the one
+    # a colleague's `ray start` wrote there is put back after
+    current = Path(get_ray_address_file(None))
+    before = current.read_text() if current.exists() else None
     # ports: Ray's own choice (0 / None) everywhere, as local services hold the default ones
     cluster = Cluster(
         initialize_head=True,
@@ -41,6 +47,8 @@ def two_nodes(request):
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if before is not None:
+            current.write_text(before)
 
 
 class Role:
