@@ -101,29 +101,29 @@ def rl_inputs(
     return RLInputs(fmt, trunc, reward_fns, use_rm, fmt.tok.pad_token_id)
 
 
-def resume(algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None) -> int:
-    """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
-    replicas get the restored weights); returns the step to continue from (0: a fresh run)."""
-    return resume_state(algo, checkpoint_dir, rng, policy, rollouts, critic, shared)[0]
-
-
 def resume_state(
     algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None
 ) -> tuple[int, dict]:
-    """`resume`, and the `extra` the checkpoint was saved with (`checkpoint.save_run`). Every RL loop
-    passes here before its first step: the sync learns where the trainer and the replicas run now
-    (`sync.locate`), while they are idle, so no step's `sync_seconds` waits for work queued on them."""
+    """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
+    replicas get the restored weights). Returns the step to continue from (0: a fresh run) and the
+    `extra` the checkpoint was saved with (`checkpoint.save_run`), with `sync_setup_seconds` added.
+    Every RL loop passes here before its first step, and the weight sync is set up now, while the
+    roles are idle: the sync learns where the trainer and the replicas run
+    (`sync.locate`), and a first round hands the replicas the trainer's weights (the restored ones
+    on a resume), so the shared buffer is made and mapped (live replicas bind to the trainer's pages)
+    here and not inside step 1's `sync_seconds`, which was 100× a later step's (a mapping and page
+    faults, against a version check or a copy into mapped pages)."""
     from raypai.alignment.checkpoint import load_run_state
     from raypai.alignment.sync import locate, sync_weights
 
     locate([policy, *rollouts])
-    if not checkpoint_dir:
-        return 0, {}
-    start, extra = load_run_state(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
+    start, extra = 0, {}
+    if checkpoint_dir:
+        start, extra = load_run_state(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
+    setup = sync_weights(policy, rollouts, shared=shared)["sync_seconds"]
     if start:
-        sync_weights(policy, rollouts, shared=shared)
         print(f"[raypai.{algo}] resumed from {checkpoint_dir} at step {start}", flush=True)
-    return start, extra
+    return start, {**extra, "sync_setup_seconds": setup}
 
 
 def sync_dtype(cfg) -> str | None:

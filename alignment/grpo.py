@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_dtype, sync_path
+from raypai.alignment._driver import Run, check_plan, resume_state, rl_inputs, sync_dtype, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -127,7 +127,7 @@ def run_grpo(
         )
         reference = run.place_reference(model_dir, cfg, policy, device=device.get("reference")) if cfg.beta else None
         rng = random.Random(cfg.seed)
-        start = resume("grpo", checkpoint_dir, rng, policy, rollouts, shared=sync_path(cfg))
+        start, saved = resume_state("grpo", checkpoint_dir, rng, policy, rollouts, shared=sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
@@ -254,4 +254,5 @@ def run_grpo(
             eval_before, eval_after, history, ("reward_mean", "sync_seconds", "update_seconds", *TIMES)
         )
         summary["sync_bytes"] = history[-1]["sync_bytes"] if history else 0
+        summary["sync_setup_seconds"] = saved["sync_setup_seconds"]  # the first round, before step 1
         return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)

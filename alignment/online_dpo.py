@@ -145,5 +145,6 @@ def run_online_dpo(
             "truncated": inputs.trunc.truncated,
             "eval_reward_before": eval_before,
             "eval_reward_after": reward_with(rollout, reward, held_out, cfg.max_new_tokens),
+            "sync_setup_seconds": saved["sync_setup_seconds"],  # the first round, before step 1
         }
         return run.finish(policy, out_dir, "online_dpo", cfg, metrics, lineage)

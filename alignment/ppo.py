@@ -18,7 +18,7 @@ import random
 
 import ray
 
-from raypai.alignment._driver import Run, check_plan, resume, rl_inputs, sync_dtype, sync_path
+from raypai.alignment._driver import Run, check_plan, resume_state, rl_inputs, sync_dtype, sync_path
 from raypai.alignment._loop import (
     Sections,
     asleep,
@@ -107,7 +107,7 @@ def run_ppo(
         rollouts, reward = run.place_sampling(model_dir, cfg, inputs, reward_model_dir, device=device)
         reference = run.place_reference(model_dir, cfg, policy, device=device)
         rng = random.Random(cfg.seed)
-        start = resume("ppo", checkpoint_dir, rng, policy, rollouts, critic, shared=sync_path(cfg))
+        start, saved = resume_state("ppo", checkpoint_dir, rng, policy, rollouts, critic, shared=sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         for step in range(start + 1, cfg.steps + 1):
@@ -197,4 +197,5 @@ def run_ppo(
         summary = rl_summary(
             eval_before, eval_after, history, ("reward_mean", "value_loss", "policy_loss", "kl", *TIMES)
         )
+        summary["sync_setup_seconds"] = saved["sync_setup_seconds"]  # the first round, before step 1
         return run.finish(policy, out_dir, "ppo", cfg, summary, lineage)

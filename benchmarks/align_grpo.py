@@ -55,17 +55,18 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import _harness as h  # noqa: E402
 
 SPLIT = ("time_rollout", "time_reference", "time_reward", "time_train", "time_sync", "update_seconds")
-# raypai's non-default GRPO settings, one row each (the headline row "sync" is GRPOConfig's defaults)
+# raypai's GRPO rows: "sync" is GRPOConfig's defaults (the headline; `precision="auto"`: bf16 on a
+# CPU with bf16 units), "fp32" the same in fp32 (the fp32-against-fp32 row, always run); the others
+# are non-default settings, one row each (`--variants`)
 VARIANTS = {
     "sync": {},
+    "fp32": {"precision": "fp32"},
     "async": {"async_rollout": True},
     "sync_2r": {"rollout_replicas": 2},
     "sync_compiled": {"compile_rollout": True},
+    "bf16": {"precision": "bf16"},
 }
-RAYPAI_BF16 = (
-    "raypai has no bf16 setting for CPU roles: on a CPU the trainer trains in fp32 and the rollout "
-    "holds fp32 weights (alignment/roles/_device.py); bf16 is used only on CUDA"
-)
+ALWAYS = ("sync", "fp32")
 # raypai over TRL's best at defaults: issue #14 (toy: sync 1.5×, async 2×, DPO 1.5×) and issue #36
 # item 5 (compute-bound: sync ≥ 1.5× TRL synchronous)
 TARGETS = {"toy": {"sync": 1.5, "async": 2.0, "dpo": 1.5}, "compute": {"sync": 1.5}}
@@ -126,8 +127,10 @@ def row_raypai_grpo(s: dict) -> dict:
         "ray_start_s": ray_up,
         "in_process_s": h.process_age_s(),
         "config": {
-            k: getattr(cfg, k) for k in ("async_rollout", "rollout_replicas", "compile_rollout", "rollout_engine")
+            k: getattr(cfg, k)
+            for k in ("async_rollout", "rollout_replicas", "compile_rollout", "rollout_engine", "precision")
         },
+        "compute_dtype": cfg.dtype(),  # what `precision` chose on this machine
     }
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
@@ -232,6 +235,7 @@ def row_raypai_dpo(s: dict) -> dict:
 
     rows = preference_examples(_pairs(s))
     log = h.Steps()
+    cfg = DPOConfig(steps=s["dpo_steps"], batch_size=8, lr=1e-6, beta=0.1, **s.get("overrides", {}))
     ensure_ray(Settings.load(), local=True, num_cpus=8, dashboard=False, log_to_driver=False)
     try:
         run_dpo(
@@ -239,7 +243,7 @@ def row_raypai_dpo(s: dict) -> dict:
             str(Path(s["out"]) / s["name"]),
             rows,
             rows[:16],
-            DPOConfig(steps=s["dpo_steps"], batch_size=8, lr=1e-6, beta=0.1),
+            cfg,
             run_name=s["name"].replace("_", "-"),
             logger=log,
         )
@@ -247,7 +251,12 @@ def row_raypai_dpo(s: dict) -> dict:
         ray.shutdown()
     steady = len(log.stamps) - 1  # timed as TRL's: from the end of step 1 to the end of the last step
     seconds = log.stamps[-1] - log.stamps[0]
-    return {"pairs_per_s": 8 * steady / seconds, "step_seconds": seconds / steady, "in_process_s": h.process_age_s()}
+    return {
+        "pairs_per_s": 8 * steady / seconds,
+        "step_seconds": seconds / steady,
+        "in_process_s": h.process_age_s(),
+        "compute_dtype": cfg.dtype(),
+    }
 
 
 def _pairs(s: dict) -> list[dict]:
@@ -323,40 +332,52 @@ def plan(args, wl: str, model_dir: str, out: str) -> list[dict]:
         "headline": False,
     }
     extra = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(extra) - set(VARIANTS) - {"bf16"})
+    unknown = sorted(set(extra) - set(VARIANTS))
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from async, sync_2r, sync_compiled, bf16")
+        raise SystemExit(
+            f"--variants: unknown {unknown}; choose from {', '.join(v for v in VARIANTS if v not in ALWAYS)}"
+        )
     threads = [int(n) for n in args.trl_threads.split(",")]
     pinned = {k: v for k, v in (("train_threads", args.train_threads), ("rollout_threads", args.rollout_threads)) if v}
     if args.rollout_engine != "raypai":
         pinned["rollout_engine"] = args.rollout_engine
+    mine = [*ALWAYS, *[v for v in extra if v not in ALWAYS]]
     rows = []
     for batch in (args.batches or w["batches"]).split(",") if args.only in (None, "grpo") else []:
         b = {**base, "batch": [int(x) for x in batch.split("x")]}
-        for v in ["sync", *[v for v in extra if v in VARIANTS and v != "sync"]]:
-            name = f"{wl}_raypai_grpo_{v}_{batch}"
-            overrides = {**VARIANTS[v], **pinned}
-            rows.append({**b, "kind": "raypai_grpo", "name": name, "overrides": overrides, "headline": v == "sync"})
+        for v in mine:
+            rows.append(
+                {
+                    **b,
+                    "kind": "raypai_grpo",
+                    "name": f"{wl}_raypai_grpo_{v}_{batch}",
+                    "variant": v,
+                    "dtype": VARIANTS[v].get("precision", "auto"),
+                    "overrides": {**VARIANTS[v], **pinned},
+                    "headline": v in ALWAYS,
+                }
+            )
         for n in [] if args.no_trl else threads:
             rows.append(
                 {**b, "kind": "trl_grpo", "name": f"{wl}_trl_grpo_{n}t_{batch}", "threads": n, "headline": True}
             )
-        if "bf16" in extra:
-            if not args.no_trl:
-                rows.append(
-                    {**b, "kind": "trl_grpo", "name": f"{wl}_trl_grpo_bf16_{batch}", "threads": "best", "dtype": "bf16"}
-                )
+        if "bf16" in extra and not args.no_trl:
             rows.append(
-                {
-                    **b,
-                    "kind": "skip",
-                    "name": f"{wl}_raypai_grpo_sync_bf16_{batch}",
-                    "dtype": "bf16",
-                    "skipped": RAYPAI_BF16,
-                }
+                {**b, "kind": "trl_grpo", "name": f"{wl}_trl_grpo_bf16_{batch}", "threads": "best", "dtype": "bf16"}
             )
     if args.only in (None, "dpo"):
-        rows.append({**base, "kind": "raypai_dpo", "name": f"{wl}_raypai_dpo", "headline": True})
+        for v in [v for v in mine if v in ("sync", "fp32", "bf16")]:
+            rows.append(
+                {
+                    **base,
+                    "kind": "raypai_dpo",
+                    "name": f"{wl}_raypai_dpo" + ("" if v == "sync" else f"_{v}"),
+                    "variant": v,
+                    "dtype": VARIANTS[v].get("precision", "auto"),
+                    "overrides": {k: x for k, x in VARIANTS[v].items()},
+                    "headline": v in ALWAYS,
+                }
+            )
         for n in [] if args.no_trl else threads:
             rows.append({**base, "kind": "trl_dpo", "name": f"{wl}_trl_dpo_{n}t", "threads": n, "headline": True})
         if "bf16" in extra and not args.no_trl:
@@ -392,41 +413,54 @@ def best_trl(rows: list[dict], group: str, rnd: int | None = None) -> dict | Non
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per workload and batch: raypai's default row and each variant against TRL's best fp32 thread
-    count, steady state (rate ratio) and end to end (TRL's wall time over raypai's: > 1 = raypai
-    finished sooner); the bf16 rows beside; whether every row started with no Ray alive."""
+    """Per workload and batch: each raypai row (median over the rounds) against TRL's best fp32
+    thread count (`vs_trl`) and against TRL's best row of either precision (`vs_trl_best`: its bf16
+    row when that is faster), steady state (rate ratio) and end to end (TRL's wall time over raypai's:
+    > 1 = raypai finished sooner). `headline_fp32_vs_trl`: raypai fp32 against TRL fp32;
+    `defaults_vs_trl_best`: raypai's defaults against TRL's best, the figure the targets are for."""
     out = []
     for group in dict.fromkeys(r["group"] for r in rows if r["system"] == "raypai"):
         mine = [r for r in rows if r["group"] == group]
         wl, algo = mine[0]["workload"], mine[0]["algo"]
         trl_group = group.replace("raypai_", "trl_")
-        base = best_trl(rows, trl_group)
+        fp32 = best_trl(rows, trl_group)
         trl_rows = [r for r in rows if r.get("group") == trl_group]
         line = {"result": f"summary_{group}", "rounds": max((r["round"] for r in mine), default=0)}
-        if base:
-            trl_best = [r for r in trl_rows if r.get("threads") == base["threads"] and r["dtype"] == "fp32"]
-            line.update(trl_best=base["name"], trl_rate=base["rate"], trl_wall_s=h.median_of(trl_best, "wall_s"))
+        best = None
+        if fp32:
+            at = [r for r in trl_rows if r.get("threads") == fp32["threads"] and r["dtype"] == "fp32"]
+            best = {"name": fp32["name"], "rate": fp32["rate"], "wall_s": h.median_of(at, "wall_s")}
+            line.update(trl_fp32_best=fp32["name"], trl_rate=fp32["rate"], trl_wall_s=best["wall_s"])
+        bf16 = [r for r in trl_rows if r["dtype"] == "bf16" and rate(r)]
+        if bf16:
+            line["trl_bf16"] = {"rate": h.median_of(bf16, rate), "wall_s": h.median_of(bf16, "wall_s")}
+            if best is None or line["trl_bf16"]["rate"] > best["rate"]:
+                best = {"name": bf16[0]["result"], **line["trl_bf16"]}
+        if best:
+            line["trl_best"] = best["name"]
         for variant in dict.fromkeys(r["variant"] for r in mine):
             vr = [r for r in mine if r["variant"] == variant]
-            if any("skipped" in r for r in vr):
-                line[variant] = {"skipped": vr[0]["skipped"]}
-                continue
             v = {"rate": h.median_of(vr, rate), "wall_s": h.median_of(vr, "wall_s")}
-            if base and v["rate"]:
-                v["vs_trl"] = v["rate"] / base["rate"]
+            v["compute_dtype"] = vr[0].get("compute_dtype")
+            if fp32 and v["rate"]:
+                v["vs_trl"] = v["rate"] / fp32["rate"]
                 v["end_to_end_vs_trl"] = line["trl_wall_s"] / v["wall_s"]
+            if best and v["rate"]:
+                v["vs_trl_best"] = v["rate"] / best["rate"]
+                v["end_to_end_vs_trl_best"] = best["wall_s"] / v["wall_s"]
+            if variant == "bf16" and bf16 and v["rate"]:
+                v["vs_trl_bf16"] = v["rate"] / line["trl_bf16"]["rate"]
             target = TARGETS.get(wl, {}).get("dpo" if algo == "dpo" else variant)
             if target:
                 v["target"] = target
+                if "vs_trl_best" in v:
+                    v["target_met"] = v["vs_trl_best"] >= target
             line[variant] = v
-            if variant == "sync" and "vs_trl" in v:  # raypai's defaults, fp32, against TRL's best fp32
-                line.update(headline_vs_trl=v["vs_trl"], headline_end_to_end_vs_trl=v["end_to_end_vs_trl"])
-        bf16 = [r for r in trl_rows if r["dtype"] == "bf16" and rate(r)]
-        if bf16:
-            line["trl_bf16"] = {
-                "rate": h.median_of(bf16, rate),
-                "wall_s": h.median_of(bf16, "wall_s"),
-            }
+        if "vs_trl" in line.get("fp32", {}):
+            line["headline_fp32_vs_trl"] = line["fp32"]["vs_trl"]
+        if "vs_trl_best" in line.get("sync", {}):
+            line["defaults_vs_trl_best"] = line["sync"]["vs_trl_best"]
+            line["defaults_end_to_end_vs_trl_best"] = line["sync"]["end_to_end_vs_trl_best"]
         both = mine + trl_rows
         line["rows_started_with_ray_alive"] = sum(1 for r in both if r.get("ray_processes_at_start"))
         line["trl_rows_that_imported_ray"] = sum(1 for r in trl_rows if r.get("ray_imported"))
@@ -437,11 +471,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def label(spec: dict) -> dict:
     """The row's identity fields: workload, algo, system, variant, group (its summary's key)."""
-    system, algo = spec["kind"].split("_") if spec["kind"] != "skip" else ("raypai", "grpo")
+    system, algo = spec["kind"].split("_")
     batch = "x".join(map(str, spec["batch"])) if "batch" in spec else None
-    variant = spec["name"].split(f"_{algo}_", 1)[1].removesuffix(f"_{batch}") if algo == "grpo" else spec["dtype"]
-    if system == "raypai" and algo == "dpo":
-        variant = "sync"
+    variant = spec.get("variant", spec["dtype"])  # TRL's rows: fp32 or bf16
     group = f"{spec['workload']}_{system}_{algo}" + (f"_{batch}" if batch else "")
     return {"workload": spec["workload"], "algo": algo, "system": system, "variant": variant, "group": group}
 
@@ -529,22 +561,19 @@ def parent(args, script: str, out: str) -> None:
         for wl in workloads:
             for spec in plan(args, wl, models[wl], out):
                 spec = {**spec, "round": rnd, **label(spec)}
-                if spec["kind"] == "skip":
-                    row = {"result": spec["name"], "skipped": spec["skipped"]}
-                else:
-                    if spec.get("threads") == "best":
-                        fastest = best_trl(rows, spec["group"], rnd)
-                        if fastest is None:
-                            continue
-                        spec["threads"] = fastest["threads"]
-                    row = h.run_row(
-                        script,
-                        spec,
-                        threads=spec.get("threads"),
-                        timeout_s=args.row_timeout,
-                        ray_wait_s=args.ray_wait,
-                        foreign=foreign,
-                    )
+                if spec.get("threads") == "best":
+                    fastest = best_trl(rows, spec["group"], rnd)
+                    if fastest is None:
+                        continue
+                    spec["threads"] = fastest["threads"]
+                row = h.run_row(
+                    script,
+                    spec,
+                    threads=spec.get("threads"),
+                    timeout_s=args.row_timeout,
+                    ray_wait_s=args.ray_wait,
+                    foreign=foreign,
+                )
                 row = {**row, **{k: spec[k] for k in KEEP if k in spec}}
                 for k in ("steps", "max_new_tokens") if spec["algo"] == "grpo" else ("dpo_steps",):
                     row[k] = spec[k]

@@ -1,10 +1,12 @@
-"""Where a role computes: the CPU (fp32) or a CUDA device (bf16), and what crosses into it.
+"""Where a role computes: the CPU or a CUDA device, in fp32 or bf16, and what crosses into it.
 
-A role placed with a GPU (`RoleSpec(gpus=...)`, e.g. `GRPOConfig.gpus`) runs on `cuda`: the
-trainer keeps fp32 weights and AdamW state and runs its forward under bf16 autocast (mixed
-precision: Micikevicius et al. 2018, with bf16 instead of fp16 so no loss scaling); the rollout and
-the reference hold bf16 weights for inference. Batches come from the driver on the CPU and go back
-there; only the role moves them."""
+A role placed with a GPU (`RoleSpec(gpus=...)`, e.g. `GRPOConfig.gpus`) runs on `cuda`. In bf16
+(`precision`: "auto" or "bf16" on a GPU) the trainer keeps fp32 weights and AdamW state and runs its
+forward under bf16 autocast (mixed precision: Micikevicius et al. 2018, with bf16 instead of fp16 so
+no loss scaling); the rollout and the reference hold bf16 weights for inference. On the CPU the same
+split applies when `precision` is "bf16" (or "auto" on a CPU with bf16 units: AVX-512 BF16 or AMX,
+where oneDNN runs bf16 matrix products several times faster than fp32 ones); "fp32" keeps every role
+in fp32. Batches come from the driver on the CPU and go back there; only the role moves them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,24 @@ import torch
 from raypai.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this machine's CPU multiplies bf16 natively (AVX-512 BF16 or AMX tiles)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def run_dtype(precision: str, on_gpu: bool) -> str:
+    """The compute dtype of a run's model roles for `precision` (`Resources.precision`): "bfloat16"
+    (the trainer's mixed precision: bf16 products, fp32 master weights; bf16 weights in the inference
+    roles) or "float32". "auto" is bf16 on a GPU and on a CPU with bf16 units (decided where the driver
+    runs: a cluster's nodes are taken to be one machine type)."""
+    if precision not in PRECISIONS:
+        raise ConfigError([f"precision {precision!r} is not one of {', '.join(PRECISIONS)}"], what="role device")
+    if precision == "fp32":
+        return "float32"
+    return "bfloat16" if precision == "bf16" or on_gpu or cpu_has_bf16() else "float32"
 
 
 def role_device(device: str, role: str) -> torch.device:
@@ -44,11 +64,17 @@ def inference_dtype(device: torch.device, dtype: str | None = None) -> torch.dty
     return DTYPES[dtype]
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (the trainer's forward); nothing on the CPU, which trains in fp32."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The trainer's forward under `dtype` autocast (bf16: mixed precision), or as it is (None: fp32)."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def trainer_dtype(device: torch.device, compute: str | None) -> torch.dtype | None:
+    """A trainer's autocast dtype: bf16 when `compute` (`run_dtype`'s) is "bfloat16", none when it is
+    "float32"; not given: bf16 on CUDA and none (fp32) on the CPU."""
+    if compute is not None:
+        return None if DTYPES[compute] == torch.float32 else DTYPES[compute]
+    return torch.bfloat16 if device.type == "cuda" else None
 
 
 def maybe(x, device: torch.device):

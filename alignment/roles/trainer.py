@@ -26,7 +26,7 @@ import torch
 
 from raypai.alignment._tensors import cpu_threads, token_logprobs
 from raypai.alignment.roles import _ranks
-from raypai.alignment.roles._device import DTYPES, autocast, role_device
+from raypai.alignment.roles._device import DTYPES, autocast, role_device, trainer_dtype
 from raypai.alignment.roles._engine import Sleeps, engine_config, make_engine, set_mode, without_dropout
 from raypai.alignment.roles._engine import step as engine_step
 from raypai.checkpoint_io import read_state, write_state
@@ -95,17 +95,17 @@ class _Forward:
         self.role = role
 
     def logprobs(self, batch: dict, where: torch.Tensor | None = None) -> torch.Tensor:
-        with autocast(self.role.device):
+        with autocast(self.role.device, self.role.compute_dtype):
             return token_logprobs(self.role.net, batch["input_ids"], batch["attention_mask"], where=where)
 
     def values(self, batch: dict) -> torch.Tensor:
         # the value of the state *before* token t+1, aligned with the label positions: (B, T−1)
-        with autocast(self.role.device):
+        with autocast(self.role.device, self.role.compute_dtype):
             out = self.role.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return out.logits[:, :-1, 0].float()
 
     def scores(self, batch: dict) -> torch.Tensor:
-        with autocast(self.role.device):
+        with autocast(self.role.device, self.role.compute_dtype):
             out = self.role.net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         return out.logits[:, 0].float()
 
@@ -123,6 +123,7 @@ class Trainer(Sleeps):
         live_weights: bool = False,
         device: str = "cpu",
         sync_dtype: str | None = None,
+        compute_dtype: str | None = None,
         dropout: bool = False,
         lora=None,
         rank: int = 0,
@@ -136,7 +137,8 @@ class Trainer(Sleeps):
         loops in which no replica samples while this trainer updates (the synchronous ones), only at
         ZeRO stage 0 and only on the CPU. `device`: "cpu" or "cuda" (fp32 weights, bf16 autocast;
         `roles._device`). `sync_dtype`: the rollout replicas' weight dtype (e.g. "bfloat16"), in which
-        the weights are handed over in shared memory; None: this trainer's own (fp32). `dropout`:
+        the weights are handed over in shared memory; None: this trainer's own (fp32). `compute_dtype`:
+        the forward's autocast dtype ("bfloat16" or "float32"; None: bf16 on CUDA, fp32 on the CPU). `dropout`:
         keep the model's own dropout in training (SFT); RL updates train without it (an update
         compares training-mode outputs with eval-mode ones: `roles._engine.without_dropout`), LoRA's
         dropout included. `lora`: a `raypai.alignment.lora.LoRASpec` (None: every weight trains).
@@ -153,6 +155,7 @@ class Trainer(Sleeps):
         self.threads, self.model_dir, self.head = threads, model_dir, head
         self.device = role_device(device, "trainer")
         self.sync_dtype = DTYPES[sync_dtype] if sync_dtype else None
+        self.compute_dtype = trainer_dtype(self.device, compute_dtype)  # the forward's autocast (None: fp32)
         self.updates_done = 0  # the weights' version: optimizer steps taken (rollouts record the version they sample)
         self.rank, self.ranks = rank, rendezvous.ranks if rendezvous else 1
         self.zero_stage, self.micro_batch = zero_stage, micro_batch
