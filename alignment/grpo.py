@@ -68,26 +68,8 @@ def run_grpo(
     inputs = rl_inputs("GRPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
     check_plan("grpo", model_dir, cfg, reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
-    # a GPU run: the trainer gets half of `gpus`, the rollout replicas (and the reference when it is
-    # queried, beta > 0) the rest; the reward stays on CPUs
     g = cfg.gpu_share  # of each GPU
-    # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
-    specs = {
-        "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
-        "rollout": RoleSpec(
-            cpus=0.5,
-            gpus=g / (4 if cfg.beta else 2) / cfg.rollout_replicas,
-            replicas=cfg.rollout_replicas,
-            tensor_parallel=cfg.rollout_tensor_parallel,
-        ),
-        # (with LoRA the reference is the policy's own base: no actor)
-        **(
-            {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
-            if cfg.beta and not cfg.lora()
-            else {}
-        ),
-        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
-    }
+    specs = role_specs(cfg, use_rm)
     device = {role: "cuda" if spec.gpus else "cpu" for role, spec in specs.items()}
     # synchronous: the roles take turns, so they share one bundle and the working one uses all of its
     # CPUs (several rollout replicas split the batch and those CPUs between them); async: rollout and
@@ -256,3 +238,29 @@ def run_grpo(
         summary["sync_bytes"] = history[-1]["sync_bytes"] if history else 0
         summary["sync_setup_seconds"] = saved["sync_setup_seconds"]  # the first round, before step 1
         return run.finish(policy, out_dir, "grpo", cfg, summary, lineage)
+
+
+def role_specs(cfg: GRPOConfig, use_rm: bool) -> dict[str, RoleSpec]:
+    """The run's roles. On GPUs the trainer gets half of each GPU, the rollout replicas (and the
+    reference when it is queried, beta > 0) the rest; the reward stays on CPUs. On one GPU
+    (`gpus` ≤ 1) the replicas split the rollout's share of it; over several GPUs each replica's share
+    is of its own GPU (`placement.gpu_layout` stacks ranks that land on one GPU itself)."""
+    g = cfg.gpu_share  # of each GPU
+    split = cfg.rollout_replicas if cfg.gpus <= 1 else 1
+    # beta = 0 (the default, as TRL's): no KL term, so no reference model is loaded at all
+    return {
+        "policy": RoleSpec(cpus=1, gpus=g / 2, replicas=cfg.ranks),
+        "rollout": RoleSpec(
+            cpus=0.5,
+            gpus=g / (4 if cfg.beta else 2) / split,
+            replicas=cfg.rollout_replicas,
+            tensor_parallel=cfg.rollout_tensor_parallel,
+        ),
+        # (with LoRA the reference is the policy's own base: no actor)
+        **(
+            {"reference": RoleSpec(cpus=0.5, gpus=g / 4, replicas=cfg.reference_ranks)}
+            if cfg.beta and not cfg.lora()
+            else {}
+        ),
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
+    }

@@ -62,21 +62,8 @@ def run_ppo(
     inputs = rl_inputs("PPO", model_dir, cfg, train, held_out, rewards=rewards, reward_model_dir=reward_model_dir)
     check_plan("ppo", model_dir, cfg, reward_model_dir)
     use_rm, pad_id = inputs.use_rm, inputs.pad_id
-    g = cfg.gpu_share  # of each GPU: shares for the trainers, the replicas and the reference; the reward on CPUs
-    specs = {
-        "policy": RoleSpec(cpus=1, gpus=0.4 * g, replicas=cfg.ranks),
-        "critic": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.ranks),
-        "rollout": RoleSpec(
-            cpus=0.5,
-            gpus=0.2 * g / cfg.rollout_replicas,
-            replicas=cfg.rollout_replicas,
-            tensor_parallel=cfg.rollout_tensor_parallel,
-        ),
-        **(
-            {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.reference_ranks)}
-        ),  # LoRA: the policy's base
-        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
-    }
+    g = cfg.gpu_share  # of each GPU
+    specs = role_specs(cfg, use_rm)
     device = "cuda" if g else "cpu"
     # the roles take turns on one GPU, so they share a bundle there; on CPUs each keeps its own
     targets = {"kl_coef": cfg.kl_coef, "gamma": cfg.gamma, "lam": cfg.lam}
@@ -199,3 +186,24 @@ def run_ppo(
         )
         summary["sync_setup_seconds"] = saved["sync_setup_seconds"]  # the first round, before step 1
         return run.finish(policy, out_dir, "ppo", cfg, summary, lineage)
+
+
+def role_specs(cfg: PPOConfig, use_rm: bool) -> dict[str, RoleSpec]:
+    """The run's roles, with their shares of each GPU for the trainers, the replicas and the
+    reference; the reward on CPUs."""
+    g = cfg.gpu_share  # of each GPU
+    return {
+        "policy": RoleSpec(cpus=1, gpus=0.4 * g, replicas=cfg.ranks),
+        "critic": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.ranks),
+        "rollout": RoleSpec(
+            cpus=0.5,
+            # on one GPU the replicas split the rollout's share; over several, each holds it on its own GPU
+            gpus=0.2 * g / (cfg.rollout_replicas if cfg.gpus <= 1 else 1),
+            replicas=cfg.rollout_replicas,
+            tensor_parallel=cfg.rollout_tensor_parallel,
+        ),
+        **(
+            {} if cfg.lora() else {"reference": RoleSpec(cpus=0.5, gpus=0.2 * g, replicas=cfg.reference_ranks)}
+        ),  # LoRA: the policy's base
+        "reward": RoleSpec(cpus=0.5 if use_rm else 0.25, replicas=cfg.reward_ranks),
+    }

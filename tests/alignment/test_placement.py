@@ -232,3 +232,28 @@ def test_rollout_tensor_parallel_is_checked_with_the_config():
     assert GRPOConfig(rollout_engine="vllm", rollout_tensor_parallel=4, gpus=6, placement="separate").gpus == 6
     with pytest.raises(ConfigError, match=r"rollout_tensor_parallel must be > 0 \(got 0\)"):
         GRPOConfig(rollout_tensor_parallel=0)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_rollout_replicas_over_several_gpus_each_hold_the_rollouts_share_of_their_own_gpu(algo):
+    """On one GPU the replicas split the rollout's share of it; on 8 GPUs, 8 replicas land one per
+    GPU and each holds the whole share there (it was divided by the replicas as well: 1/16 of a GPU)."""
+    from raypai.alignment import GRPOConfig, PPOConfig
+    from raypai.alignment.placement import gpu_layout
+
+    if algo == "grpo":
+        from raypai.alignment.grpo import role_specs
+
+        one, whole = GRPOConfig(gpus=1, rollout_replicas=2), 0.5
+        specs = lambda cfg: role_specs(cfg, use_rm=False)  # noqa: E731
+    else:
+        from raypai.alignment.ppo import role_specs
+
+        one, whole = PPOConfig(gpus=1, rollout_replicas=2), 0.2
+        specs = lambda cfg: role_specs(cfg, use_rm=False)  # noqa: E731
+    assert specs(one)["rollout"].gpus == pytest.approx(whole / 2)
+    eight = (GRPOConfig if algo == "grpo" else PPOConfig)(gpus=8, rollout_replicas=8, ranks=8)
+    _, group_of, _, share = gpu_layout(specs(eight), 8, "colocated")
+    assert sorted(group_of["rollout"]) == list(range(8)) and share["rollout"] == pytest.approx(whole)
+    per_gpu = [sum(share[r] * group_of[r].count(i) for r in share) for i in range(8)]
+    assert max(per_gpu) <= 1 + 1e-9 and min(per_gpu) >= 0.8, per_gpu  # every GPU mostly used, none beyond
