@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray._common.utils import get_ray_address_file
 from ray.cluster_utils import Cluster
 
@@ -148,3 +149,48 @@ def test_a_plan_the_cluster_cannot_hold_is_refused_with_the_fix(two_nodes):
     assert not ray.util.placement_group_table() or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )
+
+
+def _state_of(actor) -> dict:
+    return ray.get(
+        actor.__ray_call__.remote(lambda r: {k: v.detach().clone() for k, v in r.model.state_dict().items()})
+    )
+
+
+@pytest.mark.scale
+def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_nodes, tiny_model):
+    """2 ZeRO-3 ranks of 1.5 CPUs and 2 rollout replicas of 1 CPU fill the 3 + 2 CPUs one way only:
+    the ranks on the head node, the replicas on the worker. The sync then goes through the object
+    store (no shared memory between nodes), and each replica holds exactly the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from raypai.alignment import SFTConfig
+    from raypai.alignment._driver import Run
+    from raypai.alignment._tensors import batch_of, encode_all
+    from raypai.alignment.data import sft_examples
+    from raypai.alignment.losses.objectives import SFT
+    from raypai.alignment.models import format_and_limit
+    from raypai.alignment.roles import Rollout
+    from raypai.alignment.sync import sync_weights
+    from raypai.alignment.tasks import arithmetic as ar
+
+    fmt, trunc = format_and_limit(tiny_model, SFTConfig())
+    enc = encode_all(fmt, sft_examples(ar.sft_rows(ar.split()[0])), trunc, "training")
+    batch = batch_of(enc, list(range(4)), fmt.tok.pad_token_id)
+    specs = {"policy": RoleSpec(cpus=1.5, replicas=2), "rollout": RoleSpec(cpus=1, replicas=2)}
+    with Run("xnode", specs) as run:
+        policy = run.place_policy(tiny_model, SFTConfig(lr=1e-2, zero_stage=3, ranks=2))
+        rollouts = run.place("rollout", Rollout, tiny_model)
+        ranks_at = [_node_of(a) for a in policy.actors]
+        replicas_at = [_node_of(r) for r in rollouts]
+        ray.get(policy.update.remote(SFT(), SFT().assemble(batch)))
+        out = sync_weights(policy, rollouts)
+        want = ray.get(policy.state_dict.remote())
+        got = [_state_of(r) for r in rollouts]
+        run.summary = None
+    assert ranks_at == [two_nodes["head"]] * 2 and replicas_at == [two_nodes["worker"]] * 2, (ranks_at, replicas_at)
+    assert out["sync_bytes"] > 0
+    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3  # trained weights were synced
+    for state in got:
+        assert all(torch.equal(state[k], want[k]) for k in want)
