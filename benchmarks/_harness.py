@@ -148,6 +148,16 @@ class Steps:
             self.stamps.append(time.perf_counter())
 
 
+def cpu_has_bf16() -> bool:
+    """The CPU's bf16 units as the kernel lists them (the parent imports no torch):
+    `roles._device.cpu_has_bf16` asks torch the same in the rows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(("avx512_bf16" in ln or "amx_bf16" in ln) for ln in f if ln.startswith("flags"))
+    except OSError:
+        return False
+
+
 def process_age_s() -> float:
     """Seconds since this process was created (the child's own view of its start-up)."""
     import psutil

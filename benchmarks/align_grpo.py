@@ -1,6 +1,7 @@
 """Alignment throughput, raypai against TRL, every row in its own process (issue #36 item 4).
 
-    .venv/bin/python benchmarks/align_grpo.py                     # both workloads, 3 rounds: ≈ 40-50 min on 2 quiet cores
+    .venv/bin/python benchmarks/align_grpo.py                     # both workloads, every variant, 3 rounds: ≈ 2 h on 2 quiet cores
+    .venv/bin/python benchmarks/align_grpo.py --workload compute --variants bf16 --rounds 2       # ≈ 20 min
     .venv/bin/python benchmarks/align_grpo.py --smoke             # every kind of row once, tiny: ≈ 5 min (10 on a loaded machine)
     .venv/bin/python benchmarks/align_grpo.py --workload compute --only grpo --rounds 1
     .venv/bin/python benchmarks/align_grpo.py --workload toy --variants '' --trl-threads 1,2   # headline rows only
@@ -11,12 +12,15 @@ The rules (benchmarks/RESULTS.md, "How the alignment figures are measured"):
   each row the parent waits for the last row's Ray to exit and records every Ray daemon still
   alive on the machine, anyone's (`ray_processes_at_start`: 0 in an honest row; a `warning` line
   first when Ray was running before the harness began: not a quiet machine);
-- the headline rows are fp32 on both sides, raypai at its defaults (`GRPOConfig()`/`DPOConfig()`
-  but the workload's sizes) against TRL at its best torch thread count (`--trl-threads`);
+- two headline rows a side: raypai at its defaults (`GRPOConfig()`/`DPOConfig()` but the
+  workload's sizes; `precision="auto"`, bf16 on a CPU with bf16 units, the row's `compute_dtype`
+  says which) and raypai with `precision="fp32"`, against TRL fp32 at its best torch thread count
+  (`--trl-threads`). `headline_fp32_vs_trl` is fp32 against fp32; `defaults_vs_trl_best` is
+  raypai's defaults against TRL's best row of either precision, the figure the targets are for;
 - non-default raypai settings are rows of their own, `headline: false` (`--variants`): `async`
   (async_rollout), `sync_2r` (2 colocated rollout replicas), `sync_compiled` (compile_rollout, the
-  compile in the row's wall time and first step). bf16 rows: TRL `bf16=True` at its best fp32
-  thread count; raypai has no bf16 setting for CPU roles, so its bf16 row says so (`skipped`);
+  compile in the row's wall time and first step). `bf16`: TRL `bf16=True` (its autocast) at its
+  best fp32 thread count, and raypai `precision="bf16"` where the defaults are not bf16 already;
 - every row gives `wall_s` (the parent's clock, process start to exit: imports, model load, Ray
   start and stop, compiles) beside its steady-state rate (steps 2..N; step 1 is warm-up on both
   sides, reported as `first_step_seconds`);
@@ -342,6 +346,8 @@ def plan(args, wl: str, model_dir: str, out: str) -> list[dict]:
     if args.rollout_engine != "raypai":
         pinned["rollout_engine"] = args.rollout_engine
     mine = [*ALWAYS, *[v for v in extra if v not in ALWAYS]]
+    if "bf16" in mine and h.cpu_has_bf16():
+        mine.remove("bf16")  # the defaults already run in bf16 here: their row is raypai's bf16 row
     rows = []
     for batch in (args.batches or w["batches"]).split(",") if args.only in (None, "grpo") else []:
         b = {**base, "batch": [int(x) for x in batch.split("x")]}
@@ -448,7 +454,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             if best and v["rate"]:
                 v["vs_trl_best"] = v["rate"] / best["rate"]
                 v["end_to_end_vs_trl_best"] = best["wall_s"] / v["wall_s"]
-            if variant == "bf16" and bf16 and v["rate"]:
+            if bf16 and v["rate"] and (variant == "bf16" or v["compute_dtype"] == "bfloat16"):
                 v["vs_trl_bf16"] = v["rate"] / line["trl_bf16"]["rate"]
             target = TARGETS.get(wl, {}).get("dpo" if algo == "dpo" else variant)
             if target:

@@ -10,7 +10,8 @@ completions a prompt where raypai's samples `num_samples` and pairs best with wo
 the same workload. The rules are `align_grpo.py`'s (benchmarks/RESULTS.md, "How the alignment
 figures are measured"): each row a process of its own that starts and stops its own Ray (the parent
 imports neither Ray nor torch and records the Ray daemons alive at each row's start), raypai at its
-defaults but the workload's sizes, fp32 (raypai's only setting on a CPU), `wall_s` from process
+defaults but the workload's sizes (`precision="auto"`: bf16 on a CPU with bf16 units, fp32 on
+others; the row records `compute_dtype`), `wall_s` from process
 start to exit beside the steady-state `step_ms` (from the end of the first logged step to the end
 of the last, per logged step).
 
@@ -95,6 +96,7 @@ def row_loop(s: dict) -> dict:
         "step_ms": (log.stamps[-1] - log.stamps[0]) / steady * 1000,
         "steps_logged": len(log.stamps),
         "in_process_s": h.process_age_s(),
+        "compute_dtype": cfg.dtype(),
     }
 
 
