@@ -8,7 +8,8 @@ Two paths, chosen per replica:
   the buffer into its parameters. Nothing is pickled and nothing goes through the object store.
   verl's hybrid engine and ChatLearn's parameter sync do the same job in GPU memory; this is the
   host-memory form (CPU roles, or GPUs through a host copy).
-- **object store** otherwise: one `state_dict` copy shared by the replicas on other nodes.
+- **object store** otherwise: one `state_dict` copy shared by the replicas on other nodes (a ZeRO-3
+  trainer's gathered and put bucket by bucket, so no rank assembles a whole copy: `Trainer.state_parts`).
 
 - **live shared parameters** (synchronous loops: the roles take turns, so nobody reads while the
   trainer writes): the trainer's parameters themselves live in that buffer (ZeRO stage 0, the
@@ -243,7 +244,8 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
         loads += mine
         _FIRST_ROUND.setdefault(trainer._actor_id.hex(), (list(loads), [r._actor_id.hex() for r in here], written))
     if away:
-        state = trainer.state_dict.remote()  # one copy in the object store, shared by every remote replica
+        # one copy in the object store, shared by every remote replica (a ZeRO-3 trainer's as buckets)
+        state = trainer.state_parts.remote()
         version = trainer.version.remote()
         loads += [r.load_weights.remote(state, version) for r in away]
     return loads

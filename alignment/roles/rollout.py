@@ -82,6 +82,8 @@ class Rollout:
         delta in place; lower precision is merged onto a copy of the targeted base weights kept at the
         first load: `lora.merge_into`), so decoding runs a plain model.
         Returns the bytes handed over."""
+        if "parts" in state:  # a ZeRO-3 trainer's buckets (`Trainer.state_parts`), loaded one at a time
+            return self._load_parts(state["parts"], version)
         if "lora" in state:
             from raypai.alignment.lora import merge_into
 
@@ -97,6 +99,27 @@ class Rollout:
         if version is not None:
             self.version = version
         return sum(v.numel() * v.element_size() for v in sent.values())
+
+    def _load_parts(self, parts: list, version: int | None) -> int:
+        import ray
+
+        own, seen, sent = self.model.state_dict(), set(), 0
+        with torch.no_grad():
+            for ref in parts:
+                bucket = ray.get(ref)
+                for name, t in bucket.items():
+                    own[name].copy_(t)
+                    sent += t.numel() * t.element_size()
+                seen |= bucket.keys()
+                del bucket
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise RuntimeError(f"the trainer's buckets missed {len(missing)} weights of this replica: {missing[:5]}")
+        if self.vllm is not None:
+            self.vllm.push(own)
+        if version is not None:
+            self.version = version
+        return sent
 
     def load_shared(self, written: tuple[str, int, bool]) -> int:
         """Take the weights the trainer made readable (`written` = (path, version, live), from its

@@ -413,6 +413,30 @@ class Trainer(Sleeps):
             return None
         return {k: v.detach().to("cpu", self.sync_dtype).clone() for k, v in state.items()}
 
+    def state_parts(self) -> dict | None:
+        """What replicas on other nodes load: at ZeRO-3 {"parts": [ObjectRef of one bucket's
+        {name: tensor}, ...]}, each bucket gathered (`_gathered_parts`, `sync_bucket_bytes`) and put
+        in Ray's object store on its own, so no rank ever holds a whole copy of the model (every rank
+        must call it; rank 0 returns the refs); otherwise `state_dict()`."""
+        if self.zero_stage != 3 or self.lora is not None:
+            return self.state_dict()
+        import ray
+
+        refs, bucket, size = [], {}, 0
+        for name, t in self._gathered_parts(self.sync_bucket_bytes):
+            if self.rank:
+                continue  # every rank takes part in each bucket's gather
+            bucket[name] = t.detach().to("cpu", self.sync_dtype if t.is_floating_point() else t.dtype).clone()
+            size += t.numel() * t.element_size()
+            if size >= self.sync_bucket_bytes:
+                refs.append(ray.put(bucket))
+                bucket, size = {}, 0
+        if self.rank:
+            return None
+        if bucket:
+            refs.append(ray.put(bucket))
+        return {"parts": refs}
+
     def _whole_state(self) -> dict | None:
         """The model's whole state dict on rank 0, None on the others. At ZeRO-3 every rank must call
         it: DeepSpeed gathers the shards one module at a time into rank 0's host memory."""

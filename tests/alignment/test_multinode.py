@@ -161,7 +161,8 @@ def _state_of(actor) -> dict:
 def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_nodes, tiny_model):
     """2 ZeRO-3 ranks of 1.5 CPUs and 2 rollout replicas of 1 CPU fill the 3 + 2 CPUs one way only:
     the ranks on the head node, the replicas on the worker. The sync then goes through the object
-    store (no shared memory between nodes), and each replica holds exactly the trained weights."""
+    store (no shared memory between nodes) in 4 KB gathered buckets put one by one (no rank holds a
+    whole copy: `Trainer.state_parts`), and each replica holds exactly the trained weights."""
     from transformers import AutoModelForCausalLM
 
     from raypai.alignment import SFTConfig
@@ -179,17 +180,19 @@ def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_n
     batch = batch_of(enc, list(range(4)), fmt.tok.pad_token_id)
     specs = {"policy": RoleSpec(cpus=1.5, replicas=2), "rollout": RoleSpec(cpus=1, replicas=2)}
     with Run("xnode", specs) as run:
-        policy = run.place_policy(tiny_model, SFTConfig(lr=1e-2, zero_stage=3, ranks=2))
+        policy = run.place_policy(tiny_model, SFTConfig(precision="fp32", lr=1e-2, zero_stage=3, ranks=2))
         rollouts = run.place("rollout", Rollout, tiny_model)
         ranks_at = [_node_of(a) for a in policy.actors]
         replicas_at = [_node_of(r) for r in rollouts]
         ray.get(policy.update.remote(SFT(), SFT().assemble(batch)))
+        ray.get([a.__ray_call__.remote(lambda t: setattr(t, "sync_bucket_bytes", 4096)) for a in policy.actors])
         out = sync_weights(policy, rollouts)
+        buckets = ray.get(policy.actors[0].__ray_call__.remote(lambda t: t.sync_buckets))
         want = ray.get(policy.state_dict.remote())
         got = [_state_of(r) for r in rollouts]
         run.summary = None
     assert ranks_at == [two_nodes["head"]] * 2 and replicas_at == [two_nodes["worker"]] * 2, (ranks_at, replicas_at)
-    assert out["sync_bytes"] > 0
+    assert out["sync_bytes"] > 0 and buckets > 5, buckets  # a tiny model's ~100 KB in 4 KB buckets
     start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3  # trained weights were synced
     for state in got:
