@@ -126,10 +126,10 @@ def resume_state(
     return start, {**extra, "sync_setup_seconds": setup}
 
 
-def sync_dtype(cfg) -> str | None:
+def sync_dtype(cfg, model_dir: str) -> str | None:
     """The dtype a trainer hands its weights to the rollout replicas in: theirs (bf16 in a bf16 run,
     `Resources.precision`), None for the trainer's own fp32."""
-    return "bfloat16" if cfg.dtype() == "bfloat16" else None
+    return "bfloat16" if cfg.dtype(model_dir) == "bfloat16" else None
 
 
 class Run:
@@ -189,7 +189,7 @@ class Run:
             activation_checkpointing=cfg.activation_checkpointing,
             offload_optimizer=cfg.offload_optimizer,
             timeout_s=cfg.collective_timeout_s,
-            compute_dtype=cfg.dtype(),
+            compute_dtype=cfg.dtype(model_dir),
             **kwargs,
         )
 
@@ -206,7 +206,7 @@ class Run:
             return BaseOf(policy)
         if cfg.reference_zero3:
             kwargs["zero3"] = True
-        kwargs.setdefault("dtype", cfg.dtype())
+        kwargs.setdefault("dtype", cfg.dtype(model_dir))
         return self.place_ranks("reference", Reference, model_dir, timeout_s=cfg.collective_timeout_s, **kwargs)
 
     def place_sampling(
@@ -223,7 +223,7 @@ class Run:
             engine=cfg.rollout_engine,
             compiled=cfg.compile_rollout,
             device=device,
-            dtype=cfg.dtype(),
+            dtype=cfg.dtype(model_dir),
             gpu_share=self.placement.share["rollout"],  # of each of its GPUs
             # a replica over several GPUs (rollout_tensor_parallel): the bundles of its engine's workers
             per_replica=lambda i: {"seed": cfg.seed + i, **self.placement.tensor_parallel("rollout", i)},

@@ -333,11 +333,12 @@ class Resources(_Part):
             )
         return p
 
-    def dtype(self) -> str:
-        """The run's compute dtype, "bfloat16" or "float32" (`roles._device.run_dtype`)."""
-        from raypai.alignment.roles._device import run_dtype
+    def dtype(self, model_dir: str | None = None) -> str:
+        """The run's compute dtype for the model in `model_dir`, "bfloat16" or "float32"
+        (`roles._device.run_dtype`: "auto" weighs the model's hidden size on a CPU)."""
+        from raypai.alignment.roles._device import hidden_size, run_dtype
 
-        return run_dtype(self.precision, self.gpus > 0)
+        return run_dtype(self.precision, self.gpus > 0, hidden_size(model_dir) if self.precision == "auto" else None)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def run_grpo(
             threads=cfg.train_threads or shared,
             live_weights=not cfg.async_rollout and cfg.rollout_engine in LIVE_ENGINES,
             device=device["policy"],
-            sync_dtype=sync_dtype(cfg),
+            sync_dtype=sync_dtype(cfg, model_dir),
         )
         rollouts, reward = run.place_sampling(
             model_dir,

@@ -82,7 +82,7 @@ def run_online_dpo(
             threads=threads,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,
-            sync_dtype=sync_dtype(cfg),
+            sync_dtype=sync_dtype(cfg, model_dir),
         )
         reference = run.place_reference(model_dir, cfg, policy, threads=threads, device=device)
         [rollout] = run.place(
@@ -94,7 +94,7 @@ def run_online_dpo(
             engine=cfg.rollout_engine,
             compiled=cfg.compile_rollout,
             device=device,
-            dtype=cfg.dtype(),
+            dtype=cfg.dtype(model_dir),
             gpu_share=run.placement.share["rollout"],
             **run.placement.tensor_parallel("rollout", 0),
         )

@@ -81,7 +81,7 @@ def run_ppo(
             cfg,
             live_weights=cfg.rollout_engine in LIVE_ENGINES,
             device=device,
-            sync_dtype=sync_dtype(cfg),
+            sync_dtype=sync_dtype(cfg, model_dir),
         )
         critic = run.place_trained(
             "critic",

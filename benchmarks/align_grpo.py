@@ -134,7 +134,7 @@ def row_raypai_grpo(s: dict) -> dict:
             k: getattr(cfg, k)
             for k in ("async_rollout", "rollout_replicas", "compile_rollout", "rollout_engine", "precision")
         },
-        "compute_dtype": cfg.dtype(),  # what `precision` chose on this machine
+        "compute_dtype": cfg.dtype(s["model_dir"]),  # what `precision` chose on this machine
     }
     row.update({k: sum(r[k] for r in steady) / len(steady) for k in SPLIT})
     return row
@@ -259,7 +259,7 @@ def row_raypai_dpo(s: dict) -> dict:
         "pairs_per_s": 8 * steady / seconds,
         "step_seconds": seconds / steady,
         "in_process_s": h.process_age_s(),
-        "compute_dtype": cfg.dtype(),
+        "compute_dtype": cfg.dtype(s["model_dir"]),
     }
 
 

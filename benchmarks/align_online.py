@@ -96,7 +96,7 @@ def row_loop(s: dict) -> dict:
         "step_ms": (log.stamps[-1] - log.stamps[0]) / steady * 1000,
         "steps_logged": len(log.stamps),
         "in_process_s": h.process_age_s(),
-        "compute_dtype": cfg.dtype(),
+        "compute_dtype": cfg.dtype(s["model_dir"]),
     }
 
 

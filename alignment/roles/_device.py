@@ -26,16 +26,40 @@ def cpu_has_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def run_dtype(precision: str, on_gpu: bool) -> str:
+# "auto" on a CPU: bf16 from this hidden size up. Below it the casts around each product cost more
+# than bf16 saves: on a Zen 4 (2 vCPUs) synchronous GRPO ran 0.6× as fast in bf16 as in fp32 at
+# hidden 128 (issue #14's toy Llama), 1.6× as fast at hidden 256 (the 9.8 M Qwen2): benchmarks/RESULTS.md
+BF16_MIN_HIDDEN = 256
+
+
+def run_dtype(precision: str, on_gpu: bool, hidden: int | None = None) -> str:
     """The compute dtype of a run's model roles for `precision` (`Resources.precision`): "bfloat16"
     (the trainer's mixed precision: bf16 products, fp32 master weights; bf16 weights in the inference
-    roles) or "float32". "auto" is bf16 on a GPU and on a CPU with bf16 units (decided where the driver
-    runs: a cluster's nodes are taken to be one machine type)."""
+    roles) or "float32". "auto" is bf16 on a GPU, and on a CPU with bf16 units for a model whose
+    `hidden` size is at least BF16_MIN_HIDDEN (decided where the driver runs: a cluster's nodes are
+    taken to be one machine type)."""
     if precision not in PRECISIONS:
         raise ConfigError([f"precision {precision!r} is not one of {', '.join(PRECISIONS)}"], what="role device")
     if precision == "fp32":
         return "float32"
-    return "bfloat16" if precision == "bf16" or on_gpu or cpu_has_bf16() else "float32"
+    if precision == "bf16" or on_gpu:
+        return "bfloat16"
+    big = hidden is None or hidden >= BF16_MIN_HIDDEN
+    return "bfloat16" if big and cpu_has_bf16() else "float32"
+
+
+def hidden_size(model_dir: str | None) -> int | None:
+    """The model's hidden size from its config (None: no folder, or a config without one)."""
+    if not model_dir:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return next((getattr(cfg, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(cfg, k)), None)
 
 
 def role_device(device: str, role: str) -> torch.device:

@@ -165,8 +165,15 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
 
 def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_path, monkeypatch):
     logger, order = Sink(), UpdateOrder(monkeypatch)
-    cfg = GRPOConfig(
-        steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3, eval_every=15
+    cfg = GRPOConfig(  # bf16 (mixed precision on a CPU): the tiny model's default would be fp32
+        steps=30,
+        prompts_per_step=16,
+        group_size=8,
+        lr=5e-4,
+        aggregation="dapo",
+        max_new_tokens=3,
+        eval_every=15,
+        precision="bf16",
     )
     g = run_grpo(
         sloppy_sft,

@@ -16,14 +16,21 @@ def _cpu_flags() -> set[str]:
         return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
 
 
-def test_auto_is_bf16_on_gpus_and_on_cpus_with_bf16_units_and_fp32_asks_for_fp32():
+def test_auto_is_bf16_on_gpus_and_on_cpus_with_bf16_units_for_models_wide_enough(tmp_path):
+    from raypai.alignment.roles._device import BF16_MIN_HIDDEN, hidden_size
+    from raypai.alignment.tasks.tiny import build_tiny_model
+
     flags = _cpu_flags()  # the kernel's word on the CPU, independent of torch's check
     assert cpu_has_bf16() == bool({"avx512_bf16", "amx_bf16"} & flags)
-    assert run_dtype("auto", on_gpu=False) == ("bfloat16" if cpu_has_bf16() else "float32")
-    assert run_dtype("auto", on_gpu=True) == "bfloat16"
+    units = "bfloat16" if cpu_has_bf16() else "float32"
+    assert run_dtype("auto", on_gpu=False, hidden=BF16_MIN_HIDDEN) == units
+    assert run_dtype("auto", on_gpu=False, hidden=BF16_MIN_HIDDEN // 2) == "float32"  # casts would cost more
+    assert run_dtype("auto", on_gpu=True, hidden=64) == "bfloat16"
     assert run_dtype("fp32", on_gpu=True) == run_dtype("fp32", on_gpu=False) == "float32"
-    assert run_dtype("bf16", on_gpu=False) == "bfloat16"
-    assert SFTConfig(precision="fp32").dtype() == "float32"
+    assert run_dtype("bf16", on_gpu=False, hidden=64) == "bfloat16"
+    gpt2 = build_tiny_model(tmp_path / "g", family="gpt2", hidden=64)  # n_embd, not hidden_size
+    assert hidden_size(gpt2) == 64 and GRPOConfig().dtype(gpt2) == "float32"
+    assert GRPOConfig(precision="bf16").dtype(gpt2) == "bfloat16" and SFTConfig(precision="fp32").dtype() == "float32"
     with pytest.raises(ConfigError, match=r"GRPOConfig.precision 'fp16' is unknown; choose one of auto, fp32, bf16"):
         GRPOConfig(precision="fp16")
 
@@ -69,12 +76,10 @@ def test_a_bf16_trainer_gives_the_fp32_logprobs_and_gradient_within_tolerance(fa
     assert (lpo - lp32).abs().mean() > 0.1 and cos(go, g32, dim=0) < 0.5  # a wrong model is told apart
 
 
-def test_a_grpo_run_at_its_defaults_hands_the_rollout_weights_in_the_precision_auto_chose(
-    ray_align, tiny_model, tmp_path
-):
-    """The defaults (`precision="auto"`) sample from bf16 weights on a CPU with bf16 units: the
-    trainer copies the weights over at 2 bytes an element of the state dict (a tied head's too);
-    `precision="fp32"` leaves the replica on the trainer's own fp32 parameters (4 bytes each, once)."""
+def test_a_grpo_run_hands_the_rollout_weights_in_the_precision_it_runs_in(ray_align, tiny_model, tmp_path):
+    """`precision="bf16"` samples from bf16 weights: the trainer copies them over at 2 bytes an
+    element of the state dict (a tied head's too). The defaults on this tiny model (hidden 64, below
+    BF16_MIN_HIDDEN) are fp32: the replica runs on the trainer's own fp32 parameters (4 bytes each, once)."""
     from transformers import AutoModelForCausalLM
 
     from raypai.alignment import run_grpo
@@ -83,7 +88,7 @@ def test_a_grpo_run_at_its_defaults_hands_the_rollout_weights_in_the_precision_a
 
     prompts = prompt_examples(ar.prompt_rows(ar.problems(max_operand=9)[:8]))
     per_param = {}
-    for precision in ("auto", "fp32"):
+    for precision in ("bf16", "auto"):
         cfg = GRPOConfig(
             steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=10**6, precision=precision
         )
@@ -98,5 +103,4 @@ def test_a_grpo_run_at_its_defaults_hands_the_rollout_weights_in_the_precision_a
         )
         per_param[precision] = out["sync_bytes"] / out["total_params"]
     elements = sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().values())
-    auto = 2 * elements / out["total_params"] if cpu_has_bf16() else 4.0
-    assert per_param == {"auto": auto, "fp32": 4.0}, per_param
+    assert per_param == {"bf16": 2 * elements / out["total_params"], "auto": 4.0}, per_param
