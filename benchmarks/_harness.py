@@ -188,10 +188,24 @@ def length_mod_5(prompts, completions, **_) -> list[float]:
 # their own (building imports raypai's tokenizer trainer, which imports Ray, though it starts none).
 WORKLOADS = {
     # a 0.63 M-parameter Llama, raypai's tokenizer and chat template; short prompts, ≤ 16 new tokens
-    "toy": {"batches": "1x8,8x8", "max_new_tokens": 16, "steps": 20, "dpo_steps": 100, "reward": "exact_match"},
+    "toy": {
+        "batches": "1x8,8x8",
+        "max_new_tokens": 16,
+        "steps": 20,
+        "dpo_steps": 100,
+        "reward": "exact_match",
+        "hidden": 128,
+    },
     # a 9.8 M-parameter Qwen2 (hidden 256, 6 layers, 4 heads / 2 KV heads, MLP 1024, vocab 7,600,
     # untied embeddings), ChatML: a random model of this vocabulary rarely stops, so ≈ 64 new tokens
-    "compute": {"batches": "8x8", "max_new_tokens": 64, "steps": 10, "dpo_steps": 30, "reward": "length_mod_5"},
+    "compute": {
+        "batches": "8x8",
+        "max_new_tokens": 64,
+        "steps": 10,
+        "dpo_steps": 30,
+        "reward": "length_mod_5",
+        "hidden": 256,
+    },
 }
 COMPUTE_SHAPE = {"hidden": 256, "layers": 6, "heads": 4, "kv_heads": 2, "intermediate": 1024, "vocab": 7600}
 

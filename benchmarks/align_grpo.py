@@ -346,7 +346,7 @@ def plan(args, wl: str, model_dir: str, out: str) -> list[dict]:
     if args.rollout_engine != "raypai":
         pinned["rollout_engine"] = args.rollout_engine
     mine = [*ALWAYS, *[v for v in extra if v not in ALWAYS]]
-    if "bf16" in mine and h.cpu_has_bf16():
+    if "bf16" in mine and h.cpu_has_bf16() and w["hidden"] >= 256:  # roles._device.BF16_MIN_HIDDEN
         mine.remove("bf16")  # the defaults already run in bf16 here: their row is raypai's bf16 row
     rows = []
     for batch in (args.batches or w["batches"]).split(",") if args.only in (None, "grpo") else []:
@@ -456,7 +456,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                 v["end_to_end_vs_trl_best"] = best["wall_s"] / v["wall_s"]
             if bf16 and v["rate"] and (variant == "bf16" or v["compute_dtype"] == "bfloat16"):
                 v["vs_trl_bf16"] = v["rate"] / line["trl_bf16"]["rate"]
-            target = TARGETS.get(wl, {}).get("dpo" if algo == "dpo" else variant)
+            # the targets are for raypai's defaults (DPO's) and its non-default GRPO modes (async)
+            target = TARGETS.get(wl, {}).get(("dpo" if variant == "sync" else None) if algo == "dpo" else variant)
             if target:
                 v["target"] = target
                 if "vs_trl_best" in v:

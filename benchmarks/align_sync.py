@@ -55,7 +55,8 @@ def row(s: dict) -> dict:
 
     model = _model(s["family"], Path(s["out"]) / s["name"] / "model")
     ranks, stage = LAYOUTS[s["layout"]]
-    prompts = prompt_examples(ar.prompt_rows(ar.problems(max_operand=9)[:32]))
+    # GPT-2 has no chat template: plain-text prompts (the standard format)
+    prompts = prompt_examples(ar.prompt_rows(ar.problems(max_operand=9)[:32], chat=s["family"] != "gpt2"))
     cfg = GRPOConfig(
         steps=s["steps"],
         prompts_per_step=4,
