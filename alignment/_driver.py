@@ -50,10 +50,11 @@ def check_plan(algo: str, model_dir: str, cfg, reward_model_dir: str | None = No
     check(algo, model_dir, cfg, reward_model_dir=reward_model_dir)
 
 
-def sync_path(cfg) -> bool | None:
-    """`start_sync`'s `shared`: a LoRA trainer hands its replicas the adapters alone, a few MB at most,
-    through the object store (each replica merges them into weights of its own); None: per replica."""
-    return False if cfg.lora() else None
+def sync_path(cfg) -> dict:
+    """`start_sync`'s keywords: `shared` (a LoRA trainer hands its replicas the adapters alone, a few
+    MB at most, through the object store, each replica merging them into weights of its own; None:
+    per replica) and `transport` for replicas on other nodes (`Sampling.weight_transport`)."""
+    return {"shared": False if cfg.lora() else None, "transport": getattr(cfg, "weight_transport", "object_store")}
 
 
 class BaseOf:
@@ -102,7 +103,7 @@ def rl_inputs(
 
 
 def resume_state(
-    algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, shared=None
+    algo: str, checkpoint_dir: str | None, rng, policy, rollouts: list, critic=None, **sync
 ) -> tuple[int, dict]:
     """Restore a run from `checkpoint_dir` when it holds one (every role, the driver's RNG; the
     replicas get the restored weights). Returns the step to continue from (0: a fresh run) and the
@@ -120,7 +121,7 @@ def resume_state(
     start, extra = 0, {}
     if checkpoint_dir:
         start, extra = load_run_state(checkpoint_dir, rng=rng, policy=policy, rollouts=rollouts, critic=critic)
-    setup = sync_weights(policy, rollouts, shared=shared)["sync_seconds"]
+    setup = sync_weights(policy, rollouts, **sync)["sync_seconds"]  # `sync_path`'s keywords
     if start:
         print(f"[raypai.{algo}] resumed from {checkpoint_dir} at step {start}", flush=True)
     return start, {**extra, "sync_setup_seconds": setup}

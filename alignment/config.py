@@ -234,6 +234,9 @@ class Lengths(_Part):
         return p
 
 
+WEIGHT_TRANSPORTS = ("object_store", "collective")
+
+
 @dataclass(frozen=True)
 class Sampling(_Part):
     """How the rollout samples completions (online DPO, GRPO, PPO)."""
@@ -248,6 +251,11 @@ class Sampling(_Part):
     # GPUs each rollout replica's vLLM engine shards the model over (vLLM's tensor_parallel_size, on one
     # node; `raypai.alignment.placement`): for a model one GPU cannot hold. 1 = a replica on one device
     rollout_tensor_parallel: int = 1
+    # how rollout replicas on other nodes than the trainer's get its weights: "object_store" (one copy
+    # there, a ZeRO-3 trainer's in buckets) or "collective" (broadcast over a process group of the
+    # trainer and those replicas: gloo on CPUs, NCCL on GPUs; `raypai.alignment.sync_group`).
+    # Same-node replicas always read shared memory
+    weight_transport: str = "object_store"
 
     def _problems(self) -> list[str]:
         name = type(self).__name__
@@ -258,6 +266,16 @@ class Sampling(_Part):
                 "rollout_tensor_parallel": "GPUs per rollout replica",
             },
         )
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            p.append(
+                f"{name}.weight_transport {self.weight_transport!r} is unknown; choose one of "
+                f"{', '.join(WEIGHT_TRANSPORTS)}"
+            )
+        if self.weight_transport == "collective" and getattr(self, "lora_r", 0):
+            p.append(
+                f"{name}.weight_transport='collective' with LoRA: a LoRA run hands its replicas the adapters "
+                "alone (a few MB) through the object store; leave weight_transport='object_store'"
+            )
         tp, gpus = self.rollout_tensor_parallel, getattr(self, "gpus", 0)
         if tp > 1 and self.rollout_engine != "vllm":
             p.append(

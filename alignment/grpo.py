@@ -109,7 +109,7 @@ def run_grpo(
         )
         reference = run.place_reference(model_dir, cfg, policy, device=device.get("reference")) if cfg.beta else None
         rng = random.Random(cfg.seed)
-        start, saved = resume_state("grpo", checkpoint_dir, rng, policy, rollouts, shared=sync_path(cfg))
+        start, saved = resume_state("grpo", checkpoint_dir, rng, policy, rollouts, **sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         pick = lambda: rng.sample(train, min(cfg.prompts_per_step, len(train)))  # noqa: E731
@@ -210,7 +210,7 @@ def run_grpo(
                         objective, scored, sampled, *now.refs, old_lp=old_lp, ref_lp=ref_lp
                     )
             with t("time_sync"):
-                loads = start_sync(policy, rollouts, shared=sync_path(cfg))
+                loads = start_sync(policy, rollouts, **sync_path(cfg))
             # while they work: the samples and their rewards, for the metrics
             if s is None:
                 with t("time_rollout"):

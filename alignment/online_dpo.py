@@ -101,7 +101,7 @@ def run_online_dpo(
         reward = run.place_reward(cfg, inputs.reward_fns)
         ev_ref = ChosenRejected(seq_logprobs(reference, ev_c), seq_logprobs(reference, ev_r))  # computed once
         rng = random.Random(cfg.seed)
-        start, saved = resume_state("online_dpo", checkpoint_dir, rng, policy, [rollout], shared=sync_path(cfg))
+        start, saved = resume_state("online_dpo", checkpoint_dir, rng, policy, [rollout], **sync_path(cfg))
         before = saved["before"] if start else preference_metrics(policy, ev_ref, ev_c, ev_r, cfg.beta)
         eval_before = saved["eval_before"] if start else reward_with(rollout, reward, held_out, cfg.max_new_tokens)
         extra = {"before": before, "eval_before": eval_before}
@@ -122,7 +122,7 @@ def run_online_dpo(
             on = {**sampled, "rows": now.rows}
             ref = reference.pair_logprobs_on.remote(scored, on, *now.refs)
             update = policy.update_on.remote(objective, scored, ref, on, *now.refs)
-            loads = start_sync(policy, [rollout], shared=sync_path(cfg))  # queued behind the update on the trainer
+            loads = start_sync(policy, [rollout], **sync_path(cfg))  # queued behind the update on the trainer
             scores = scores_of(scored)["total"]  # a reward function's own error surfaces here, as itself
             m = ray.get(update)
             t0 = time.perf_counter()  # sync_seconds: the wait for the replica's load left after the update

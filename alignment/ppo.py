@@ -94,7 +94,7 @@ def run_ppo(
         rollouts, reward = run.place_sampling(model_dir, cfg, inputs, reward_model_dir, device=device)
         reference = run.place_reference(model_dir, cfg, policy, device=device)
         rng = random.Random(cfg.seed)
-        start, saved = resume_state("ppo", checkpoint_dir, rng, policy, rollouts, critic, shared=sync_path(cfg))
+        start, saved = resume_state("ppo", checkpoint_dir, rng, policy, rollouts, critic, **sync_path(cfg))
         eval_before = reward_with(rollouts[0], reward, held_out, cfg.max_new_tokens)
         history = []
         for step in range(start + 1, cfg.steps + 1):
@@ -131,7 +131,7 @@ def run_ppo(
                 for _ in range(cfg.ppo_epochs)
             ]  # each trainer runs its epochs in turn
             loads = start_sync(
-                policy, rollouts, shared=sync_path(cfg)
+                policy, rollouts, **sync_path(cfg)
             )  # each replica loads after the updates queued before it
             # while they work: what the metrics need (the time_* sections: what this process waited)
             with t("time_rollout"):

@@ -21,7 +21,9 @@ import ray
 from raypai.alignment.roles._ranks import Rendezvous
 
 # methods of a role's own process: its version, node or counts are rank 0's
-ONE_RANK = frozenset({"version", "node_id", "param_counts", "unlink_shared", "rank_memory"})
+ONE_RANK = frozenset(
+    {"version", "node_id", "param_counts", "unlink_shared", "rank_memory", "open_weight_group", "join_weight_group"}
+)
 
 
 def rendezvous(prefix: str, ranks: int, timeout_s: float) -> tuple[Rendezvous | None, object]:

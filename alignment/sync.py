@@ -9,7 +9,9 @@ Two paths, chosen per replica:
   verl's hybrid engine and ChatLearn's parameter sync do the same job in GPU memory; this is the
   host-memory form (CPU roles, or GPUs through a host copy).
 - **object store** otherwise: one `state_dict` copy shared by the replicas on other nodes (a ZeRO-3
-  trainer's gathered and put bucket by bucket, so no rank assembles a whole copy: `Trainer.state_parts`).
+  trainer's gathered and put bucket by bucket, so no rank assembles a whole copy: `Trainer.state_parts`);
+  or, with `transport="collective"`, a broadcast over a process group of the trainer and those
+  replicas (gloo on CPUs, NCCL on GPUs: `raypai.alignment.sync_group`).
 
 - **live shared parameters** (synchronous loops: the roles take turns, so nobody reads while the
   trainer writes): the trainer's parameters themselves live in that buffer (ZeRO stage 0, the
@@ -199,12 +201,12 @@ class SharedWeights:
         return self.total - HEADER
 
 
-def sync_weights(trainer, rollouts: list, *, shared: bool | None = None) -> dict:
+def sync_weights(trainer, rollouts: list, *, shared: bool | None = None, transport: str = "object_store") -> dict:
     """Copy the trainer's current weights into every rollout replica; returns `sync_seconds` (wall
     time until the last replica has loaded them) and `sync_bytes` (size of one copy). `shared`:
     None picks per replica (shared memory on the trainer's node), False forces the object store."""
     t0 = time.perf_counter()
-    sizes = wait_loads(start_sync(trainer, rollouts, shared=shared))
+    sizes = wait_loads(start_sync(trainer, rollouts, shared=shared, transport=transport))
     seconds = time.perf_counter() - t0
     _remove_file_once_mapped(trainer)
     return {"sync_seconds": seconds, "sync_bytes": sizes[0] if sizes else 0}
@@ -219,10 +221,13 @@ def wait_loads(loads: list) -> list[int]:
     return [int(next(done)) if isinstance(x, ray.ObjectRef) else int(x) for x in loads]
 
 
-def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
+def start_sync(trainer, rollouts: list, *, shared: bool | None = None, transport: str = "object_store") -> list:
     """Queue the copy without waiting: each replica loads the weights after the work already
     submitted to it and before anything submitted later. Returns, per replica, the ObjectRef of the
-    bytes it loaded, or those bytes where nothing had to be sent (`wait_loads` waits for them all)."""
+    bytes it loaded, or those bytes where nothing had to be sent (`wait_loads` waits for them all);
+    with `transport="collective"` the trainer's broadcast comes last. `transport`: how replicas on
+    other nodes get the weights: "object_store" (one copy there) or "collective" (a process group
+    of the trainer and those replicas, `raypai.alignment.sync_group`)."""
     import ray
 
     _remove_file_once_mapped(trainer)
@@ -243,12 +248,43 @@ def start_sync(trainer, rollouts: list, *, shared: bool | None = None) -> list:
         _LAST_LOADS[trainer._actor_id.hex()] = mine
         loads += mine
         _FIRST_ROUND.setdefault(trainer._actor_id.hex(), (list(loads), [r._actor_id.hex() for r in here], written))
-    if away:
+    if away and transport == "collective":
+        _join_group(trainer, away)
+        version = trainer.version.remote()
+        pushed = trainer.push_weights.remote()  # broadcast bucket by bucket; the replicas receive
+        loads += [r.pull_weights.remote(version) for r in away] + [pushed]
+    elif away:
         # one copy in the object store, shared by every remote replica (a ZeRO-3 trainer's as buckets)
         state = trainer.state_parts.remote()
         version = trainer.version.remote()
         loads += [r.load_weights.remote(state, version) for r in away]
     return loads
+
+
+_GROUPS: dict[str, frozenset] = {}  # trainer id -> the replicas in its weight group
+
+
+def _join_group(trainer, away: list, timeout_s: float = 120.0) -> None:
+    """The trainer's weight group with the replicas `away`, made at the first collective sync (the
+    members join together: making a group waits for all of them)."""
+    import ray
+
+    members = frozenset(r._actor_id.hex() for r in away)
+    have = _GROUPS.get(trainer._actor_id.hex())
+    if have == members:
+        return
+    if have is not None:
+        raise RuntimeError(
+            "the replicas on other nodes changed during the run: the weight group is fixed at its first sync"
+        )
+    host, port, backend, buckets = ray.get(trainer.open_weight_group.remote(timeout_s))
+    size = len(away) + 1
+    joins = [trainer.join_weight_group.remote(host, port, size, timeout_s)]
+    joins += [
+        r.join_weight_group.remote(host, port, i + 1, size, backend, buckets, timeout_s) for i, r in enumerate(away)
+    ]
+    ray.get(joins)
+    _GROUPS[trainer._actor_id.hex()] = members
 
 
 def _remove_file_once_mapped(trainer) -> None:

@@ -149,3 +149,61 @@ class HandsOver:
 
         if self._shared is not None and os.path.exists(self._shared.path):
             os.unlink(self._shared.path)
+
+    # ---- the weight group (`weight_transport="collective"`, raypai.alignment.sync_group) ----------
+
+    def _send_order(self) -> list[tuple[str, tuple, torch.dtype]]:
+        """(name, shape, dtype in the replicas' precision) of what `_parts_to_send` yields, in order."""
+        module = self.engine.module
+
+        def entry(name, t):
+            dtype = self.sync_dtype if self.sync_dtype is not None and t.is_floating_point() else t.dtype
+            return name, tuple(getattr(t, "ds_shape", t.shape)), dtype
+
+        state = module.state_dict(keep_vars=True)
+        if self.zero_stage != 3:
+            return [entry(k, t) for k, t in state.items()]
+        # `_gathered_parts`' order: the buffers, then each parameter under every name it has
+        names_of: dict[int, list[str]] = {}
+        params = {}
+        order = [entry(k, t) for k, t in state.items() if not isinstance(t, torch.nn.Parameter)]
+        for k, t in state.items():
+            if isinstance(t, torch.nn.Parameter):
+                names_of.setdefault(id(t), []).append(k)
+                params[id(t)] = t
+        return order + [entry(name, params[key]) for key in params for name in names_of[key]]
+
+    def _parts_to_send(self):
+        if self.zero_stage == 3:
+            return self._gathered_parts(self.sync_bucket_bytes)  # every rank takes part in the gathers
+        return iter(self.engine.module.state_dict().items()) if self.rank == 0 else iter(())
+
+    def open_weight_group(self, timeout_s: float = 60.0) -> tuple[str, int, str, list]:
+        """Rank 0: the weight group's rendezvous (host, port), its backend and the manifest the
+        replicas check and follow."""
+        from raypai.alignment import sync_group as G
+
+        if self.lora is not None:
+            raise RuntimeError("a LoRA trainer hands its replicas the adapters through the object store")
+        self._wg_store, host, port = G.make_store(timeout_s)
+        self._wg_manifest = G.manifest(self._send_order(), self.sync_bucket_bytes)
+        return host, port, G.BACKENDS[self.device.type], self._wg_manifest
+
+    def join_weight_group(self, host: str, port: int, size: int, timeout_s: float = 60.0) -> bool:
+        """Rank 0 joins as the group's rank 0 (returns once every replica has joined)."""
+        from raypai.alignment import sync_group as G
+
+        self._wg = G.open_group(host, port, 0, size, G.BACKENDS[self.device.type], timeout_s)
+        return True
+
+    def push_weights(self) -> int:
+        """Broadcast the current weights to the group's replicas, bucket by bucket (every rank must
+        call it: at ZeRO-3 each bucket is gathered first). Returns the bytes rank 0 sent."""
+        from raypai.alignment import sync_group as G
+
+        parts = self._parts_to_send()
+        if self.rank:
+            for _ in parts:
+                pass
+            return 0
+        return G.send(self._wg, parts, self._wg_manifest, self.device)

@@ -121,6 +121,27 @@ class Rollout:
             self.version = version
         return sent
 
+    def join_weight_group(self, host: str, port: int, rank: int, size: int, backend: str, buckets, timeout_s=60.0):
+        """Join the trainer's weight group (`raypai.alignment.sync_group`) as `rank`, after checking its
+        manifest against this replica's weights (a mismatch is refused, naming the tensor)."""
+        from raypai.alignment import sync_group as G
+
+        G.check_against(buckets, self.model.state_dict())
+        self._wg_manifest = buckets
+        self._wg_device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        self._wg = G.open_group(host, port, rank, size, backend, timeout_s)
+        return True
+
+    def pull_weights(self, version: int) -> int:
+        """Receive the trainer's broadcast of `version` into this replica's weights; returns the bytes."""
+        from raypai.alignment import sync_group as G
+
+        size = G.receive(self._wg, self._wg_manifest, self.model.state_dict(), self._wg_device)
+        if self.vllm is not None:
+            self.vllm.push(self.model.state_dict())
+        self.version = version
+        return size
+
     def load_shared(self, written: tuple[str, int, bool]) -> int:
         """Take the weights the trainer made readable (`written` = (path, version, live), from its
         `write_shared`); refuses any other version. Copied into this replica's parameters, or, live,

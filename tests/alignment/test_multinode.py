@@ -158,11 +158,14 @@ def _state_of(actor) -> dict:
 
 
 @pytest.mark.scale
-def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_nodes, tiny_model):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_nodes, tiny_model, transport):
     """2 ZeRO-3 ranks of 1.5 CPUs and 2 rollout replicas of 1 CPU fill the 3 + 2 CPUs one way only:
     the ranks on the head node, the replicas on the worker. The sync then goes through the object
     store (no shared memory between nodes) in 4 KB gathered buckets put one by one (no rank holds a
-    whole copy: `Trainer.state_parts`), and each replica holds exactly the trained weights."""
+    whole copy: `Trainer.state_parts`), or is broadcast bucket by bucket over a gloo group of the
+    trainer's rank 0 and the replicas (`weight_transport="collective"`, the group made at the first
+    sync and used again at the second); each replica holds exactly the trained weights."""
     from transformers import AutoModelForCausalLM
 
     from raypai.alignment import SFTConfig
@@ -184,9 +187,10 @@ def test_a_zero3_policy_on_one_node_syncs_exactly_to_replicas_on_the_other(two_n
         rollouts = run.place("rollout", Rollout, tiny_model)
         ranks_at = [_node_of(a) for a in policy.actors]
         replicas_at = [_node_of(r) for r in rollouts]
-        ray.get(policy.update.remote(SFT(), SFT().assemble(batch)))
         ray.get([a.__ray_call__.remote(lambda t: setattr(t, "sync_bucket_bytes", 4096)) for a in policy.actors])
-        out = sync_weights(policy, rollouts)
+        for _ in range(2):
+            ray.get(policy.update.remote(SFT(), SFT().assemble(batch)))
+            out = sync_weights(policy, rollouts, transport=transport)
         buckets = ray.get(policy.actors[0].__ray_call__.remote(lambda t: t.sync_buckets))
         want = ray.get(policy.state_dict.remote())
         got = [_state_of(r) for r in rollouts]
