@@ -140,6 +140,7 @@ _INTEGRATION_FIXTURES = frozenset(
         "ray_two_cpus",
         "stack",  # tests/serving/test_serving.py: Ray, Serve and the deploy API
         "running_services",  # tests/infra/conftest.py: `raypai services up`
+        "two_nodes",  # tests/alignment/test_multinode.py: a 2-node ray.cluster_utils.Cluster
     }
 )
 _REPO = str(Path(__file__).resolve().parents[1])

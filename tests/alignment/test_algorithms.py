@@ -163,18 +163,16 @@ def test_dpo_raises_preference_accuracy_and_margin(sft, tmp_path):
     assert [step for step, _ in logger.rows if step is not None] == list(range(1, 26))  # each step once, in order
 
 
+# the GRPO learning runs' settings: 30 steps of 16 prompts × 8 samples from the sloppy SFT model
+GRPO_LEARNS = dict(
+    steps=30, prompts_per_step=16, group_size=8, lr=5e-4, aggregation="dapo", max_new_tokens=3, eval_every=15
+)
+
+
 def test_grpo_raises_held_out_exact_match_over_sft(ray_align, sloppy_sft, tmp_path, monkeypatch):
     logger, order = Sink(), UpdateOrder(monkeypatch)
-    cfg = GRPOConfig(  # bf16 (mixed precision on a CPU): the tiny model's default would be fp32
-        steps=30,
-        prompts_per_step=16,
-        group_size=8,
-        lr=5e-4,
-        aggregation="dapo",
-        max_new_tokens=3,
-        eval_every=15,
-        precision="bf16",
-    )
+    # bf16 (mixed precision on a CPU): the tiny model's default would be fp32
+    cfg = GRPOConfig(**GRPO_LEARNS, precision="bf16")
     g = run_grpo(
         sloppy_sft,
         str(tmp_path / "grpo"),
@@ -302,16 +300,7 @@ def test_grpo_with_async_rollout_trains_one_step_off_policy_and_still_learns(slo
     """The next batch is generated while this one trains; the update's ratio is taken against the
     log-probs of the weights that sampled it, and held-out exact match still rises over SFT."""
     logger, order = Sink(), UpdateOrder(monkeypatch)
-    cfg = GRPOConfig(
-        steps=30,
-        prompts_per_step=16,
-        group_size=8,
-        lr=5e-4,
-        aggregation="dapo",
-        max_new_tokens=3,
-        eval_every=15,
-        async_rollout=True,
-    )
+    cfg = GRPOConfig(**GRPO_LEARNS, async_rollout=True)
     g = run_grpo(
         sloppy_sft,
         str(tmp_path / "grpo-async"),

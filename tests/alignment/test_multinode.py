@@ -23,12 +23,10 @@ WORKER = {"num_cpus": 2, "num_gpus": 1}
 
 
 @pytest.fixture(scope="module")
-def two_nodes(request):
+def two_nodes():
     """{"head": node id, "worker": node id} of a fresh 2-node cluster the test process is connected
     to; the driver is disconnected and both nodes stopped at the module's end, so the next module
     starts its own Ray (tests/conftest.py's shared one sees none running and starts it)."""
-    if request.config.getoption("fast"):
-        pytest.skip("starts a 2-node Ray cluster: an integration test (`make test` runs it; `make test-fast` does not)")
     if ray.is_initialized():
         ray.shutdown()  # the shared Ray a module before this one left
     # the Cluster writes its address to Ray's "current cluster" file and deletes it at shutdown: the one
