@@ -72,6 +72,20 @@ class HandsOver:
             return self.engine._zero3_consolidated_16bit_state_dict()  # fp32 here: "16bit" is its name only
         return None if self.rank else self.engine.module.state_dict()
 
+    def _state_layout(self) -> tuple[list, dict[int, list[str]], dict[int, torch.nn.Parameter]]:
+        """The module's state dict as ([(name, buffer)], {param id: its names}, {param id: param}),
+        parameters in order of first appearance: the order `_gathered_parts` gives them in."""
+        names_of: dict[int, list[str]] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        buffers = []
+        for name, t in self.engine.module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.nn.Parameter):
+                names_of.setdefault(id(t), []).append(name)
+                params[id(t)] = t
+            else:
+                buffers.append((name, t))
+        return buffers, names_of, params
+
     def _gathered_parts(self, bucket_bytes: int = SYNC_BUCKET_BYTES):
         """(state-dict name, whole tensor) of a ZeRO-3 model, gathered `bucket_bytes` of parameters at a
         time (every rank must iterate it to the end: each bucket is a collective); tied weights are
@@ -79,15 +93,8 @@ class HandsOver:
         is valid only until the next one is asked for (its bucket is released after)."""
         import deepspeed
 
-        module = self.engine.module
-        names_of: dict[int, list[str]] = {}
-        params: dict[int, torch.nn.Parameter] = {}
-        for name, t in module.state_dict(keep_vars=True).items():
-            if isinstance(t, torch.nn.Parameter):
-                names_of.setdefault(id(t), []).append(name)
-                params[id(t)] = t
-            else:
-                yield name, t  # a buffer (rotary inv_freq, ...): not partitioned
+        buffers, names_of, params = self._state_layout()
+        yield from buffers  # buffers (rotary inv_freq, ...): not partitioned
         bucket, size, last = [], 0, next(reversed(params), None)
         self.sync_buckets = 0  # gathers of the last sync (tests and tracing read it)
         for key, p in params.items():
@@ -160,18 +167,11 @@ class HandsOver:
             dtype = self.sync_dtype if self.sync_dtype is not None and t.is_floating_point() else t.dtype
             return name, tuple(getattr(t, "ds_shape", t.shape)), dtype
 
-        state = module.state_dict(keep_vars=True)
         if self.zero_stage != 3:
-            return [entry(k, t) for k, t in state.items()]
+            return [entry(k, t) for k, t in module.state_dict(keep_vars=True).items()]
         # `_gathered_parts`' order: the buffers, then each parameter under every name it has
-        names_of: dict[int, list[str]] = {}
-        params = {}
-        order = [entry(k, t) for k, t in state.items() if not isinstance(t, torch.nn.Parameter)]
-        for k, t in state.items():
-            if isinstance(t, torch.nn.Parameter):
-                names_of.setdefault(id(t), []).append(k)
-                params[id(t)] = t
-        return order + [entry(name, params[key]) for key in params for name in names_of[key]]
+        buffers, names_of, params = self._state_layout()
+        return [entry(k, t) for k, t in buffers] + [entry(n, params[key]) for key in params for n in names_of[key]]
 
     def _parts_to_send(self):
         if self.zero_stage == 3:
